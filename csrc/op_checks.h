@@ -1,0 +1,65 @@
+// Argument validation shared by the CPU and CUDA implementations of every op. Each check names
+// the argument, what was expected and what was given (SPEC §4 "Bad input").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "turboquant/layout.h"
+#include "turboquant/preset.h"
+
+namespace turboquant {
+
+// Paged cache geometry; strides in bytes (elements of a uint8 tensor). The cache is indexed as
+// [num_blocks, block_size, num_kv_heads, slot]; any strides for the first three dims are fine, so
+// a head-major tensor viewed in that order works too.
+struct CacheGeometry {
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t num_kv_heads = 0;
+  int64_t slot_bytes = 0;
+  int64_t stride_block = 0;
+  int64_t stride_token = 0;
+  int64_t stride_head = 0;
+  int64_t span_bytes = 0;  // bytes from data_ptr to the end of the last slot
+};
+
+struct StoreArgs {
+  const Preset* preset;
+  SlotLayout layout;
+  CacheGeometry cache;
+  int64_t num_tokens;
+};
+
+struct DecodeArgs {
+  const Preset* preset;
+  SlotLayout layout;
+  CacheGeometry cache;
+  int64_t batch, num_q_heads, max_blocks_per_seq;
+};
+
+// Preset lookup as a torch error (unknown names list the valid ones).
+const Preset& get_preset(const std::string& name);
+
+StoreArgs check_store_kv_args(const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                              const std::string& preset);
+
+DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& block_table, const at::Tensor& seq_lens,
+                             const std::string& preset, int64_t num_splits);
+
+// dequantize has no head_dim argument: it is recovered from the cache's slot size.
+DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                 const at::Tensor& seq_lens, const std::string& preset,
+                                 at::ScalarType dtype);
+
+// Checking mode (TURBOQUANT_CHECK_INDICES=1): copy indices to the host and raise on any entry
+// that points outside the cache, instead of the kernels' silent skip/mask.
+bool index_checking_enabled();
+void check_slot_mapping_in_range(const at::Tensor& slot_mapping, const CacheGeometry& cache);
+void check_block_table_in_range(const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                const CacheGeometry& cache);
+
+}  // namespace turboquant

@@ -1,0 +1,214 @@
+// CPU implementations of the ops: the reference the CUDA kernels are tested against, and the
+// fallback. Same split-KV structure and merge as the CUDA decode, in float/double arithmetic.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "op_checks.h"
+#include "turboquant/lloyd_max.h"
+#include "turboquant/slot_codec.h"
+#include "turboquant/split_plan.h"
+
+namespace turboquant {
+namespace {
+
+const Codebook* key_codebook(const Preset& p, int head_dim) {
+  return p.key_format == KeyFormat::kLloydMax ? &gaussian_codebook(p.key_bits, head_dim) : nullptr;
+}
+
+int64_t slot_offset(const CacheGeometry& g, int64_t block, int64_t offset, int64_t head) {
+  return block * g.stride_block + offset * g.stride_token + head * g.stride_head;
+}
+
+// Byte offset of token `t` of sequence row `bt_row`, or -1 when its block-table entry points
+// outside the cache (the token is then skipped).
+int64_t token_slot_base(const CacheGeometry& g, const int32_t* bt_row, int64_t t) {
+  const int64_t block = bt_row[t / g.block_size];
+  if (block < 0 || block >= g.num_blocks) return -1;
+  return slot_offset(g, block, t % g.block_size, 0);
+}
+
+template <typename T>
+std::vector<float> to_float(const T* p, int n) {
+  std::vector<float> out(n);
+  for (int i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+}
+
+void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                  const at::Tensor& slot_mapping, c10::string_view preset) {
+  const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
+  if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
+  const at::Tensor slots = slot_mapping.to(at::kLong);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const int d = a.layout.head_dim;
+  const int64_t heads = a.cache.num_kv_heads;
+  const int64_t capacity = a.cache.num_blocks * a.cache.block_size;
+  const Codebook* cb = key_codebook(*a.preset, d);
+  uint8_t* cache = kv_cache.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "store_kv_cpu", [&] {
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    at::parallel_for(0, a.num_tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> slot(a.layout.slot_size_aligned, 0);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = slot_ptr[i];
+        if (s < 0 || s >= capacity) continue;  // padding or out of range: write nothing
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t src = (i * heads + h) * d;
+          const std::vector<float> kf = to_float(k + src, d), vf = to_float(v + src, d);
+          encode_slot(kf.data(), vf.data(), a.layout, cb, a.preset->norm_correction, slot.data());
+          const int64_t dst =
+              slot_offset(a.cache, s / a.cache.block_size, s % a.cache.block_size, h);
+          std::memcpy(cache + dst, slot.data(), a.layout.slot_size_aligned);
+        }
+      }
+    });
+  });
+}
+
+// Online-softmax state of one query head over one split, in double.
+struct Partial {
+  double max = -std::numeric_limits<double>::infinity();
+  double sum = 0.0;
+  std::vector<double> acc;
+};
+
+at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      c10::string_view preset, double scale, int64_t num_splits) {
+  const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens,
+                                         std::string(preset), num_splits);
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+  const int d = a.layout.head_dim;
+  const int64_t hkv = a.cache.num_kv_heads, group = a.num_q_heads / hkv;
+  const int64_t max_context = a.max_blocks_per_seq * a.cache.block_size;
+  const int splits = num_splits > 0 ? static_cast<int>(num_splits)
+                                    : default_num_splits(static_cast<int>(a.batch),
+                                                         static_cast<int>(hkv), static_cast<int>(max_context),
+                                                         /*num_sms=*/8);
+  const Codebook* cb = key_codebook(*a.preset, d);
+  const bool rotated = a.preset->key_format == KeyFormat::kLloydMax;
+  const float rsqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
+
+  const at::Tensor q = query.to(at::kFloat);
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* cache = kv_cache.data_ptr<uint8_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  // Workspace as the CUDA path lays it out: per-split normalized outputs and log-sum-exp.
+  at::Tensor partial_out = at::zeros({a.batch, a.num_q_heads, splits, d}, q.options());
+  at::Tensor partial_lse = at::full({a.batch, a.num_q_heads, splits},
+                                    -std::numeric_limits<float>::infinity(), q.options());
+  float* po = partial_out.data_ptr<float>();
+  float* pl = partial_lse.data_ptr<float>();
+
+  at::parallel_for(0, a.batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> key(d), val(d);
+    std::vector<std::vector<float>> qr(group, std::vector<float>(d));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hkv, kvh = item % hkv;
+      const int seq_len = static_cast<int>(std::clamp<int64_t>(lens[b], 0, max_context));
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = qp + (b * a.num_q_heads + kvh * group + g) * d;
+        std::copy(src, src + d, qr[g].begin());
+        if (rotated) {  // q . k~ = norm * (R q) . c~ : rotate q once, never the keys
+          fwht_inplace(qr[g].data(), d);
+          for (float& x : qr[g]) x *= rsqrt_d;
+        }
+      }
+      for (int s = 0; s < splits; ++s) {
+        const TokenRange r = split_token_range(seq_len, splits, s);
+        std::vector<Partial> part(group);
+        for (auto& p : part) p.acc.assign(d, 0.0);
+        for (int t = r.begin; t < r.end; ++t) {
+          const int64_t base = token_slot_base(a.cache, bt + b * a.max_blocks_per_seq, t);
+          if (base < 0) continue;
+          const uint8_t* slot = cache + base + kvh * a.cache.stride_head;
+          decode_key_rotated(slot, a.layout, cb, key.data());
+          decode_value(slot, a.layout, val.data());
+          for (int64_t g = 0; g < group; ++g) {
+            double dot = 0.0;
+            for (int i = 0; i < d; ++i) dot += static_cast<double>(qr[g][i]) * key[i];
+            const double score = scale * dot;
+            Partial& p = part[g];
+            const double m = std::max(p.max, score);
+            const double alpha = std::exp(p.max - m), w = std::exp(score - m);
+            p.sum = p.sum * alpha + w;
+            for (int i = 0; i < d; ++i) p.acc[i] = p.acc[i] * alpha + w * val[i];
+            p.max = m;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = (b * a.num_q_heads + kvh * group + g) * splits + s;
+          if (part[g].sum <= 0.0) continue;  // empty split: lse -inf, output 0
+          pl[row] = static_cast<float>(part[g].max + std::log(part[g].sum));
+          for (int i = 0; i < d; ++i) po[row * d + i] = static_cast<float>(part[g].acc[i] / part[g].sum);
+        }
+      }
+    }
+  });
+
+  // Log-sum-exp merge of the splits; a sequence with no tokens gives zeros.
+  at::Tensor lse_max = std::get<0>(partial_lse.max(/*dim=*/2, /*keepdim=*/true));
+  at::Tensor finite_max = at::where(at::isinf(lse_max), at::zeros_like(lse_max), lse_max);
+  at::Tensor weights = at::exp(partial_lse - finite_max);  // exp(-inf) = 0 for empty splits
+  at::Tensor denom = weights.sum(2, /*keepdim=*/true).clamp_min(1e-30);
+  at::Tensor out = (partial_out * (weights / denom).unsqueeze(-1)).sum(2);
+  return out.to(query.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache,
+                                                  const at::Tensor& block_table,
+                                                  const at::Tensor& seq_lens,
+                                                  c10::string_view preset, at::ScalarType dtype) {
+  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+  const int d = a.layout.head_dim;
+  const int64_t hkv = a.cache.num_kv_heads;
+  const int64_t max_context = a.max_blocks_per_seq * a.cache.block_size;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.batch; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor keys = at::zeros({a.batch, max_len, hkv, d}, opts);
+  at::Tensor values = at::zeros({a.batch, max_len, hkv, d}, opts);
+  const Codebook* cb = key_codebook(*a.preset, d);
+  const uint8_t* cache = kv_cache.data_ptr<uint8_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = std::clamp<int64_t>(lens[b], 0, max_context);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t base = token_slot_base(a.cache, bt + b * a.max_blocks_per_seq, t);
+        if (base < 0) continue;
+        for (int64_t h = 0; h < hkv; ++h) {
+          const uint8_t* slot = cache + base + h * a.cache.stride_head;
+          const int64_t dst = ((b * max_len + t) * hkv + h) * d;
+          decode_key(slot, a.layout, cb, kp + dst);
+          decode_value(slot, a.layout, vp + dst);
+        }
+      }
+    }
+  });
+  return {keys.to(dtype), values.to(dtype)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(turboquant, CPU, m) {
+  m.impl("store_kv", &store_kv_cpu);
+  m.impl("decode", &decode_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+}
+
+}  // namespace turboquant

@@ -1,0 +1,45 @@
+// Preset table and validation (SPEC §2, §3 "Hadamard cache").
+#include "turboquant/preset.h"
+
+#include <stdexcept>
+
+namespace turboquant {
+
+const std::vector<Preset>& all_presets() {
+  static const std::vector<Preset> presets = {
+      {"turboquant_k8v4", KeyFormat::kFp8, 8, 4, false},
+      {"turboquant_4bit_nc", KeyFormat::kLloydMax, 4, 4, true},
+      {"turboquant_k3v4_nc", KeyFormat::kLloydMax, 3, 4, true},
+      {"turboquant_3bit_nc", KeyFormat::kLloydMax, 3, 3, true},
+  };
+  return presets;
+}
+
+const Preset& parse_preset(const std::string& name) {
+  std::string valid;
+  for (const Preset& p : all_presets()) {
+    if (p.name == name) return p;
+    valid += (valid.empty() ? "" : ", ") + p.name;
+  }
+  throw std::invalid_argument("turboquant: unknown preset '" + name + "'; valid presets: " + valid);
+}
+
+void check_head_dim(const Preset& preset, int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0) {
+    throw std::invalid_argument("turboquant: head_dim must be a positive multiple of 8, got " +
+                                std::to_string(head_dim));
+  }
+  if (preset.key_format == KeyFormat::kLloydMax && (head_dim & (head_dim - 1)) != 0) {
+    throw std::invalid_argument(
+        "turboquant: preset " + preset.name + " rotates keys with a Sylvester Hadamard matrix, " +
+        "which exists only for power-of-two head_dim; got head_dim " + std::to_string(head_dim) +
+        " (supported: 64, 128, 256, ...; turboquant_k8v4 accepts any multiple of 8)");
+  }
+}
+
+SlotLayout slot_layout(const Preset& preset, int head_dim) {
+  check_head_dim(preset, head_dim);
+  return make_slot_layout(head_dim, preset.key_format, preset.key_bits, preset.value_bits);
+}
+
+}  // namespace turboquant
