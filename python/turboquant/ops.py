@@ -1,0 +1,77 @@
+"""Typed wrappers over ``torch.ops.turboquant.*`` and their fake (meta) implementations.
+
+The C++ ops validate every argument with messages naming it; these wrappers add docstrings and
+defaults and keep the call sites readable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _library  # noqa: F401  (loads the op library)
+from .presets import PRESETS, slot_layout
+
+
+def head_dim_for_slot(preset: str, slot_bytes: int) -> int:
+    """Recovers head_dim from a cache's last dimension (the aligned slot size)."""
+    for head_dim in range(8, 1025, 8):
+        try:
+            if slot_layout(preset, head_dim).slot_size_aligned == slot_bytes:
+                return head_dim
+        except ValueError:
+            continue
+    raise ValueError(f"turboquant: kv_cache slot size {slot_bytes} bytes matches no head_dim for preset {preset}")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             preset: str) -> None:
+    """Quantizes ``key``/``value`` ``[N, Hkv, D]`` (fp16/bf16/fp32) into ``kv_cache`` in place.
+
+    ``kv_cache``: uint8 ``[num_blocks, block_size, Hkv, slot_size_aligned]`` (any strides for the
+    first three dims, e.g. a head-major tensor viewed in this order). ``slot_mapping [N]`` int32 or
+    int64: token ``i`` goes to block ``s // block_size``, offset ``s % block_size``; ``s < 0``
+    (padding) and ``s`` beyond the cache are skipped.
+    """
+    torch.ops.turboquant.store_kv(key, value, kv_cache, slot_mapping, preset)
+
+
+def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+           preset: str, scale: float, num_splits: int = 0) -> torch.Tensor:
+    """One decode step of attention over the packed cache.
+
+    ``query [B, Hq, D]``; ``block_table [B, max_blocks] int32``; ``seq_lens [B] int32``. Query head
+    ``h`` reads KV head ``h // (Hq / Hkv)``. Returns ``[B, Hq, D]`` in the query's dtype;
+    ``softmax(scale * q k~^T) v~`` over positions ``[0, seq_len)``; zeros where ``seq_len == 0``.
+    ``num_splits=0`` lets the library choose a split-KV count from the shapes only.
+    """
+    return torch.ops.turboquant.decode(query, kv_cache, block_table, seq_lens, preset, float(scale),
+                                       int(num_splits))
+
+
+def dequantize(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, preset: str,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decodes the cache back to dense keys and values ``[B, max(seq_lens), Hkv, D]`` in ``dtype``,
+    in the original (un-rotated) basis, zeros past each sequence's length."""
+    return torch.ops.turboquant.dequantize(kv_cache, block_table, seq_lens, preset, dtype)
+
+
+# ---- fake implementations, so the ops trace under torch.compile / FakeTensor ------------------
+@torch.library.register_fake("turboquant::store_kv")
+def _store_kv_fake(key, value, kv_cache, slot_mapping, preset):
+    return None
+
+
+@torch.library.register_fake("turboquant::decode")
+def _decode_fake(query, kv_cache, block_table, seq_lens, preset, scale, num_splits=0):
+    return torch.empty_like(query)
+
+
+@torch.library.register_fake("turboquant::dequantize")
+def _dequantize_fake(kv_cache, block_table, seq_lens, preset, dtype):
+    head_dim = head_dim_for_slot(preset, kv_cache.shape[3])
+    max_len = torch.library.get_ctx().new_dynamic_size()
+    shape = (block_table.shape[0], max_len, kv_cache.shape[2], head_dim)
+    return (kv_cache.new_empty(shape, dtype=dtype), kv_cache.new_empty(shape, dtype=dtype))
+
+
+__all__ = ["PRESETS", "store_kv", "decode", "dequantize", "head_dim_for_slot"]

@@ -1,0 +1,22 @@
+"""Shared pytest setup: import path, test axes, devices."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import turboquant  # noqa: E402
+
+CUDA_OK = torch.cuda.is_available() and turboquant.has_cuda_kernels()
+requires_cuda = pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA device and a CUDA build of the ops")
+
+
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    with torch.inference_mode():
+        yield

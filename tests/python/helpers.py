@@ -1,0 +1,71 @@
+"""Builders shared by the pytest modules: random paged caches, block tables, slot comparison."""
+
+from __future__ import annotations
+
+import torch
+
+import turboquant as tq
+from reference import encode_slot_reference, half_value, unpack_bits
+
+
+def make_paged_batch(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, preset: str,
+                     device="cpu", dtype=torch.float32, head_major=False, seed=0, extra_blocks=3):
+    """Random K/V for every sequence stored through store_kv into shuffled blocks.
+
+    Returns (kv_cache, block_table, seq_lens tensor, keys [B, L, Hkv, D], values [B, L, Hkv, D]).
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in seq_lens]
+    width = max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    order = torch.randperm(num_blocks, generator=g)
+    cache = tq.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device, head_major)
+    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    max_len = max(max(seq_lens), 1)
+    keys = torch.zeros(len(seq_lens), max_len, num_kv_heads, head_dim)
+    values = torch.zeros_like(keys)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        ids = order[used:used + blocks_per_seq[b]]
+        used += blocks_per_seq[b]
+        block_table[b, :len(ids)] = ids.to(torch.int32)
+        if n == 0:
+            continue
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        pos = torch.arange(n)
+        slots = block_table[b, pos // block_size].to(torch.int64) * block_size + pos % block_size
+        tq.store_kv(k.to(device, dtype), v.to(device, dtype), cache, slots.to(device), preset)
+        keys[b, :n], values[b, :n] = k.to(dtype).float(), v.to(dtype).float()
+    return (cache, block_table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), keys, values)
+
+
+def compare_slot(got: bytes, key: torch.Tensor, value: torch.Tensor, preset: str) -> tuple[int, int]:
+    """Asserts one stored slot equals the reference encoding. Returns (index mismatches inside the
+    ambiguity band, indices compared). Value bytes, FP8 keys and every unambiguous key index must
+    match exactly; the fp16 key norm within one unit in the last place."""
+    info = tq.preset_info(preset)
+    layout = tq.slot_layout(preset, key.numel())
+    want, ambiguous = encode_slot_reference(key, value, preset)
+    got = bytes(got)
+    vo = layout.value_data_offset
+    assert got[vo:layout.slot_size] == want[vo:layout.slot_size], "value bytes differ"
+    if info.key_format == "fp8_e4m3":
+        assert got[:layout.key_data_bytes] == want[:layout.key_data_bytes], "fp8 key bytes differ"
+        return 0, key.numel()
+    d = key.numel()
+    gi = torch.tensor(unpack_bits(got[:layout.key_data_bytes], d, info.key_bits))
+    wi = torch.tensor(unpack_bits(want[:layout.key_data_bytes], d, info.key_bits))
+    differ = gi != wi
+    assert not (differ & ~ambiguous).any(), f"key indices differ away from a midpoint at {torch.nonzero(differ & ~ambiguous).flatten().tolist()}"
+    no = layout.key_norm_offset
+    gn = torch.tensor(list(got[no:no + 2]), dtype=torch.uint8).view(torch.int16).item()
+    wn = torch.tensor(list(want[no:no + 2]), dtype=torch.uint8).view(torch.int16).item()
+    if not differ.any():
+        assert abs(gn - wn) <= 1, f"key norm {half_value(got[no:no+2])} vs {half_value(want[no:no+2])}"
+    return int(differ.sum()), d
+
+
+def slot_bytes(cache: torch.Tensor, slot: int, head: int) -> bytes:
+    block_size = cache.shape[1]
+    return bytes(cache[slot // block_size, slot % block_size, head].cpu().tolist())

@@ -1,0 +1,127 @@
+"""Slow, obvious plain-torch references written independently of the library's C++ code:
+the Hadamard matrix from its popcount formula, bucketing with torch.bucketize, bit packing with
+Python integers, attention in float64."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import turboquant as tq
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    i = torch.arange(d)
+    bits = (i[:, None] & i[None, :]).to(torch.int64)
+    popcount = torch.zeros_like(bits)
+    for b in range(int(math.log2(d)) + 1):
+        popcount += (bits >> b) & 1
+    return (1.0 - 2.0 * (popcount % 2)).to(torch.float64) / math.sqrt(d)
+
+
+def pack_bits(idx: list[int], bits: int) -> bytes:
+    """Little-endian bit stream: index i occupies bits [bits*i, bits*i + bits)."""
+    acc = 0
+    for i, v in enumerate(idx):
+        acc |= int(v) << (bits * i)
+    return acc.to_bytes((len(idx) * bits + 7) // 8, "little")
+
+
+def unpack_bits(data: bytes, count: int, bits: int) -> list[int]:
+    acc = int.from_bytes(bytes(data), "little")
+    return [(acc >> (bits * i)) & ((1 << bits) - 1) for i in range(count)]
+
+
+def half_bytes(x: float) -> bytes:
+    return bytes(torch.tensor([x], dtype=torch.float32).half().view(torch.uint8).tolist())
+
+
+def half_value(data: bytes) -> float:
+    return torch.tensor(list(data), dtype=torch.uint8).view(torch.float16).item()
+
+
+def encode_slot_reference(key: torch.Tensor, value: torch.Tensor, preset: str):
+    """Reference encoding of one (token, head): returns (slot bytes, key-index ambiguity mask).
+
+    Key indices whose rotated coordinate lies within float rounding of a midpoint are flagged
+    ambiguous: fp32 summation order may put them in either cell.
+    """
+    info = tq.preset_info(preset)
+    layout = tq.slot_layout(preset, key.numel())
+    d = key.numel()
+    out = bytearray(layout.slot_size_aligned)
+    ambiguous = torch.zeros(d, dtype=torch.bool)
+    k32 = key.to(torch.float32)
+    if info.key_format == "fp8_e4m3":
+        fp8 = k32.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+        out[0:d] = bytes(fp8.tolist())
+    else:
+        centroids, midpoints = tq.codebook(info.key_bits, d)
+        k64 = key.to(torch.float64)
+        norm = k64.norm().item()
+        y = hadamard_matrix(d) @ (k64 / (norm + 1e-8))
+        idx = torch.bucketize(y, midpoints.to(torch.float64), right=True)  # count of midpoints <= y
+        gap = (y[:, None] - midpoints.to(torch.float64)[None, :]).abs().min(dim=1).values
+        ambiguous = gap < 1e-6 * (abs(midpoints[-1].item()) + 1.0)
+        c = centroids.to(torch.float64)[idx]
+        stored = norm / c.norm().item() if info.norm_correction else norm
+        out[0:layout.key_data_bytes] = pack_bits(idx.tolist(), info.key_bits)
+        out[layout.key_norm_offset:layout.key_norm_offset + 2] = half_bytes(stored)
+    v32 = value.to(torch.float32)
+    vmin, vmax = v32.min(), v32.max()
+    levels = (1 << info.value_bits) - 1
+    scale = ((vmax - vmin) / levels).half().float()  # fp32 arithmetic, then the stored fp16
+    zero = vmin.half().float()
+    if scale.item() == 0.0:
+        codes = torch.zeros(d, dtype=torch.int64)
+    else:
+        codes = torch.floor((v32 - zero) / scale + 0.5).clamp(0, levels).to(torch.int64)
+    off = layout.value_data_offset
+    out[off:off + layout.value_data_bytes] = pack_bits(codes.tolist(), info.value_bits)
+    out[layout.value_scale_offset:layout.value_scale_offset + 2] = half_bytes(scale.item())
+    out[layout.value_zero_offset:layout.value_zero_offset + 2] = half_bytes(zero.item())
+    return bytes(out), ambiguous
+
+
+def decode_slot_reference(slot: bytes, preset: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key in original basis, value, centroids c~ in the rotated basis) in float64."""
+    info = tq.preset_info(preset)
+    layout = tq.slot_layout(preset, head_dim)
+    if info.key_format == "fp8_e4m3":
+        key = torch.tensor(list(slot[:head_dim]), dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+        c = key
+    else:
+        centroids, _ = tq.codebook(info.key_bits, head_dim)
+        idx = unpack_bits(slot[:layout.key_data_bytes], head_dim, info.key_bits)
+        c = centroids.to(torch.float64)[torch.tensor(idx)]
+        norm = half_value(slot[layout.key_norm_offset:layout.key_norm_offset + 2])
+        key = norm * (hadamard_matrix(head_dim) @ c)
+    off = layout.value_data_offset
+    codes = torch.tensor(unpack_bits(slot[off:off + layout.value_data_bytes], head_dim, info.value_bits),
+                         dtype=torch.float64)
+    scale = half_value(slot[layout.value_scale_offset:layout.value_scale_offset + 2])
+    zero = half_value(slot[layout.value_zero_offset:layout.value_zero_offset + 2])
+    return key, codes * scale + zero, c
+
+
+def attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """float64 decode attention. query [B, Hq, D]; keys/values [B, L, Hkv, D] (dense)."""
+    b_count, hq, d = query.shape
+    hkv = keys.shape[2]
+    out = torch.zeros(b_count, hq, d, dtype=torch.float64)
+    for b in range(b_count):
+        n = int(seq_lens[b])
+        if n <= 0:
+            continue
+        k = keys[b, :n].to(torch.float64).repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = values[b, :n].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,nhd->hn", query[b].to(torch.float64), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
