@@ -16,22 +16,20 @@ void encode_slot(const float* key, const float* value, const SlotLayout& layout,
   if (layout.key_format == KeyFormat::kFp8) {
     for (int i = 0; i < d; ++i) slot[i] = float_to_fp8_e4m3(key[i]);
   } else {
-    float sq = 0.0f;
-    for (int i = 0; i < d; ++i) sq += key[i] * key[i];
-    const float norm = std::sqrt(sq);
+    const float norm = std::sqrt(sum_of_squares_warp_order(key, d));
     const float denom = norm + kKeyNormEpsilon;
     std::vector<float> y(d);
     for (int i = 0; i < d; ++i) y[i] = key[i] / denom;
     fwht_inplace(y.data(), d);
     const float rsqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
-    float csq = 0.0f;
+    std::vector<float> c(d);
     for (int i = 0; i < d; ++i) {
       idx[i] = static_cast<uint8_t>(lloyd_max_index(y[i] * rsqrt_d, *codebook));
-      const float c = codebook->centroid[idx[i]];
-      csq += c * c;
+      c[i] = codebook->centroid[idx[i]];
     }
     pack_indices(idx.data(), d, layout.key_bits, slot);
-    const float stored = norm_correction ? norm / std::sqrt(csq) : norm;
+    const float stored =
+        norm_correction ? norm / std::sqrt(sum_of_squares_warp_order(c.data(), d)) : norm;
     store_half_field(slot, layout.key_norm_offset, float_to_half_bits(stored));
   }
   float vmin = value[0], vmax = value[0];

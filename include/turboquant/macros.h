@@ -4,7 +4,9 @@
 #if defined(__CUDACC__)
 #define TQ_HD __host__ __device__ __forceinline__
 #define TQ_DEVICE __device__ __forceinline__
+#define TQ_UNROLL _Pragma("unroll")
 #else
 #define TQ_HD inline
 #define TQ_DEVICE inline
+#define TQ_UNROLL
 #endif

@@ -26,7 +26,7 @@ struct Codebook {
 // goes to the upper cell). Branch-free so a warp does not diverge.
 TQ_HD uint32_t lloyd_max_index(float y, const Codebook& cb) {
   uint32_t idx = 0;
-#pragma unroll
+  TQ_UNROLL
   for (int i = 0; i < kMaxCodebookLevels - 1; ++i) {
     idx += (i < cb.levels - 1 && cb.midpoint[i] <= y) ? 1u : 0u;
   }
@@ -79,6 +79,43 @@ TQ_HD void fwht_inplace(T* x, int n) {
       }
     }
   }
+}
+
+// a * b rounded once: keeps nvcc from contracting a later add into an FMA, so the CPU and the
+// GPU round identically.
+TQ_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+constexpr int kWarpLanes = 32;
+
+// Sum of squares in the exact order a warp computes it when lane i holds elements
+// [i*E, (i+1)*E), E = n/32: each lane sums its squares in order, then an xor butterfly
+// (offsets 16, 8, 4, 2, 1) combines the lanes. The CPU reference uses this order too, so both
+// sides produce the same norm bits. Falls back to a plain loop when n is not a multiple of 32.
+TQ_HD float sum_of_squares_warp_order(const float* x, int n) {
+  if (n % kWarpLanes != 0) {
+    float s = 0.0f;
+    for (int i = 0; i < n; ++i) s += mul_rn(x[i], x[i]);
+    return s;
+  }
+  const int per_lane = n / kWarpLanes;
+  float partial[kWarpLanes];
+  for (int lane = 0; lane < kWarpLanes; ++lane) {
+    float s = 0.0f;
+    for (int j = 0; j < per_lane; ++j) s += mul_rn(x[lane * per_lane + j], x[lane * per_lane + j]);
+    partial[lane] = s;
+  }
+  for (int offset = kWarpLanes / 2; offset > 0; offset >>= 1) {
+    float next[kWarpLanes];
+    for (int lane = 0; lane < kWarpLanes; ++lane) next[lane] = partial[lane] + partial[lane ^ offset];
+    for (int lane = 0; lane < kWarpLanes; ++lane) partial[lane] = next[lane];
+  }
+  return partial[0];
 }
 
 TQ_HD bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }

@@ -1,0 +1,123 @@
+"""Decode benchmark: turboquant decode on the packed paged cache vs torch SDPA bf16 on a dense
+cache of the same shape (best of its backends), in one process, plus the copy bandwidth.
+
+    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick] [--out results.md]
+
+Prints time, GB/s over the packed bytes, % of copy bandwidth and the speed-up over SDPA bf16;
+then graph-replay latency for small batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turboquant as tq  # noqa: E402
+from timing import copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, time_us  # noqa: E402
+
+SHAPES = {  # (B, Hq, Hkv, L)
+    "default": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (64, 32, 8, 4096), (128, 32, 8, 2048),
+                (32, 32, 32, 4096), (16, 64, 8, 16384)],
+    "quick": [(32, 32, 8, 8192), (16, 64, 8, 16384)],
+}
+HEAD_DIM, BLOCK_SIZE = 128, 16
+
+
+def build_cache(preset, b, hkv, length, gen_seed=0):
+    """A randomly filled packed cache (written by store_kv) with a shuffled block table."""
+    blocks_per_seq = length // BLOCK_SIZE
+    num_blocks = b * blocks_per_seq
+    cache = tq.allocate_kv_cache(num_blocks, BLOCK_SIZE, hkv, HEAD_DIM, preset, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(gen_seed)
+    chunk = 65536
+    for start in range(0, num_blocks * BLOCK_SIZE, chunk):
+        n = min(chunk, num_blocks * BLOCK_SIZE - start)
+        k = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        tq.store_kv(k, v, cache, torch.arange(start, start + n, device="cuda"), preset)
+    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(b, blocks_per_seq).int()
+    return cache, block_table
+
+
+def sdpa_best_us(b, hq, hkv, length):
+    """Best SDPA bf16 time over the cuDNN, flash and efficient backends (GQA without expanding
+    K/V when the backend allows it). Returns (us, backend name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sets = []
+    for _ in range(copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
+        q = torch.randn(b, hq, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        sets.append((q, k, v))
+    best = (float("inf"), "none")
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                fns = [lambda s=s: F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True) for s in sets]
+                us = time_us(fns)
+            best = min(best, (us, backend.name.lower()))
+        except RuntimeError:
+            continue
+    del sets
+    torch.cuda.empty_cache()
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", choices=list(tq.PRESETS), default=list(tq.PRESETS))
+    p.add_argument("--shapes", choices=list(SHAPES), default="default")
+    p.add_argument("--num-splits", type=int, default=0)
+    p.add_argument("--out", default=None, help="append the markdown table to this file")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth_gbs()
+    name = torch.cuda.get_device_name()
+    lines = [f"Decode, D={HEAD_DIM}, block_size {BLOCK_SIZE}, {name}, copy bandwidth {copy_bw:.0f} GB/s "
+             f"(read+write); {datetime.date.today()}", "",
+             "| B | Hq | Hkv | L | preset | splits | us | GB/s packed | % copy BW | SDPA bf16 us (backend) | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    print(lines[0], flush=True)
+    for (b, hq, hkv, length) in SHAPES[a.shapes]:
+        sdpa_us, backend = sdpa_best_us(b, hq, hkv, length)
+        for preset in a.presets:
+            slot = tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
+            packed = b * hkv * length * slot
+            caches = [build_cache(preset, b, hkv, length, s) for s in range(copies_to_defeat_l2(packed))]
+            q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+            fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, a.num_splits) for c in caches]
+            us = time_us(fns)
+            gbs = packed / (us * 1e-6) / 1e9
+            splits = a.num_splits or "auto"
+            row = (f"| {b} | {hq} | {hkv} | {length} | {preset.replace('turboquant_', '')} | {splits} | {us:.1f} | "
+                   f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {sdpa_us:.1f} ({backend}) | {sdpa_us / us:.2f}x |")
+            lines.append(row)
+            print(row, flush=True)
+            del caches
+            torch.cuda.empty_cache()
+    lines += ["", "Graph replay (one decode step captured), L=1024:", "",
+              "| B | preset | replay us |", "|---|---|---|"]
+    for b in (1, 2, 4, 8):
+        for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
+            cache, bt = build_cache(preset, b, 8, 1024)
+            q = torch.randn(b, 32, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            sl = torch.full((b,), 1024, dtype=torch.int32, device="cuda")
+            us = graph_replay_us(lambda: tq.decode(q, cache, bt, sl, preset, HEAD_DIM ** -0.5))
+            lines.append(f"| {b} | {preset.replace('turboquant_', '')} | {us:.1f} |")
+            print(lines[-1], flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""GPU timing helpers shared by the benchmark scripts: CUDA-event medians, rotation over several
+input sets (so repeated runs do not measure the L2 cache), graph replay, copy bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H200; rotating over > 3x this defeats the cache
+
+
+def copies_to_defeat_l2(bytes_per_set: int) -> int:
+    return max(1, min(8, -(-3 * L2_BYTES // max(bytes_per_set, 1))))
+
+
+def time_us(fns: Sequence[Callable[[], object]], reps: int = 30, calls_per_rep: int = 10, warmup: int = 3) -> float:
+    """Median over `reps` of the mean time per call (microseconds) of back-to-back calls cycling
+    through `fns` (one closure per input set)."""
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    k = 0
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls_per_rep):
+            fns[k % len(fns)]()
+            k += 1
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) * 1e3 / calls_per_rep)
+    return statistics.median(samples)
+
+
+def graph_replay_us(fn: Callable[[], object], reps: int = 50, replays_per_rep: int = 20) -> float:
+    """Median time of one replay of a CUDA graph that captured one call of `fn`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_us([graph.replay], reps=reps, calls_per_rep=replays_per_rep)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth counting bytes read plus bytes written (GB/s)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    us = time_us([lambda: b.copy_(a)], reps=20, calls_per_rep=5)
+    return 2 * nbytes / (us * 1e-6) / 1e9

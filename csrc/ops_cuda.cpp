@@ -1,0 +1,145 @@
+// CUDA implementations of the ops: argument checks (shared with the CPU path), device guard,
+// current stream, then the torch-free launchers in kernels/.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "launchers.h"
+#include "op_checks.h"
+#include "turboquant/lloyd_max.h"
+
+namespace turboquant {
+namespace {
+
+ElementType element_type(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return ElementType::kHalf;
+    case at::kBFloat16: return ElementType::kBFloat16;
+    default: return ElementType::kFloat;
+  }
+}
+
+CacheView cache_view(const at::Tensor& kv_cache, const CacheGeometry& g) {
+  CacheView v;
+  v.data = kv_cache.data_ptr<uint8_t>();
+  v.num_blocks = g.num_blocks;
+  v.block_size = static_cast<int>(g.block_size);
+  v.num_kv_heads = static_cast<int>(g.num_kv_heads);
+  v.stride_block = g.stride_block;
+  v.stride_token = g.stride_token;
+  v.stride_head = g.stride_head;
+  v.span_bytes = g.span_bytes;
+  return v;
+}
+
+Codebook codebook_for(const Preset& preset, int head_dim) {
+  return preset.key_format == KeyFormat::kLloydMax ? gaussian_codebook(preset.key_bits, head_dim) : Codebook{};
+}
+
+void check_cuda_head_dim(const SlotLayout& layout) {
+  TORCH_CHECK(cuda_supports_head_dim(layout), "turboquant: the CUDA kernels support head_dim 64, 128 and 256 ",
+              "(and 96 for turboquant_k8v4), got ", layout.head_dim);
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "turboquant: ", op, " CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                   const at::Tensor& slot_mapping, c10::string_view preset) {
+  const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
+  check_cuda_head_dim(a.layout);
+  if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
+  const c10::cuda::CUDAGuard guard(key.device());
+  StoreParams p;
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.dtype = element_type(key.scalar_type());
+  p.num_tokens = a.num_tokens;
+  p.slot_mapping = slot_mapping.data_ptr();
+  p.slot_mapping_int64 = slot_mapping.scalar_type() == at::kLong;
+  p.cache = cache_view(kv_cache, a.cache);
+  p.layout = a.layout;
+  p.codebook = codebook_for(*a.preset, a.layout.head_dim);
+  p.norm_correction = a.preset->norm_correction;
+  check_launch(launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
+}
+
+at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits) {
+  const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
+  check_cuda_head_dim(a.layout);
+  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
+              "turboquant: CUDA decode takes a float16 or bfloat16 query, got ", query.scalar_type());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
+              "turboquant: kv_cache must be 16-byte aligned for CUDA decode (a freshly allocated cache is)");
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = at::empty_like(query);
+  DecodeParams p;
+  p.query = query.data_ptr();
+  p.out = out.data_ptr();
+  p.dtype = element_type(query.scalar_type());
+  p.batch = static_cast<int>(a.batch);
+  p.num_q_heads = static_cast<int>(a.num_q_heads);
+  p.cache = cache_view(kv_cache, a.cache);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.max_blocks_per_seq = static_cast<int>(a.max_blocks_per_seq);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.layout = a.layout;
+  p.codebook = codebook_for(*a.preset, a.layout.head_dim);
+  p.scale = static_cast<float>(scale);
+  p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : decode_default_num_splits(p);
+  TORCH_CHECK(p.num_splits <= 256, "turboquant: num_splits must be at most 256, got ", p.num_splits);
+  at::Tensor partial_out, partial_lse;
+  if (p.num_splits > 1) {
+    const auto f32 = query.options().dtype(at::kFloat);
+    partial_out = at::empty({a.batch, a.num_q_heads, p.num_splits, a.layout.head_dim}, f32);
+    partial_lse = at::empty({a.batch, a.num_q_heads, p.num_splits}, f32);
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_lse = partial_lse.data_ptr<float>();
+  }
+  check_launch(launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> dequantize_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                                   const at::Tensor& seq_lens, c10::string_view preset,
+                                                   at::ScalarType dtype) {
+  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
+  check_cuda_head_dim(a.layout);
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  const int64_t max_len = a.batch > 0 ? std::max<int64_t>(seq_lens.max().item<int32_t>(), 0) : 0;
+  const auto opts = kv_cache.options().dtype(dtype);
+  at::Tensor keys = at::zeros({a.batch, max_len, a.cache.num_kv_heads, a.layout.head_dim}, opts);
+  at::Tensor values = at::zeros_like(keys);
+  DequantizeParams p;
+  p.cache = cache_view(kv_cache, a.cache);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.max_blocks_per_seq = static_cast<int>(a.max_blocks_per_seq);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.batch = static_cast<int>(a.batch);
+  p.max_seq_len = static_cast<int>(max_len);
+  p.key_out = keys.data_ptr();
+  p.value_out = values.data_ptr();
+  p.dtype = element_type(dtype);
+  p.layout = a.layout;
+  p.codebook = codebook_for(*a.preset, a.layout.head_dim);
+  check_launch(launch_dequantize(p, c10::cuda::getCurrentCUDAStream()), "dequantize");
+  return {keys, values};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
+  m.impl("store_kv", &store_kv_cuda);
+  m.impl("decode", &decode_cuda);
+  m.impl("dequantize", &dequantize_cuda);
+}
+
+}  // namespace turboquant

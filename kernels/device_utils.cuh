@@ -1,0 +1,160 @@
+// Device helpers shared by the kernels: element conversion, warp reductions, the warp-parallel
+// Walsh-Hadamard transform, and thin wrappers over PTX (mma, movmatrix, cp.async, fp8 cvt).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "turboquant/quantize.h"
+
+namespace turboquant {
+namespace device {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+__device__ __forceinline__ float warp_min(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fminf(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+
+// Sum of squares of a vector held E elements per lane, in the order of
+// sum_of_squares_warp_order (quantize.h), so CPU and GPU agree bit for bit.
+template <int E>
+__device__ __forceinline__ float warp_sum_of_squares(const float (&x)[E]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) s += mul_rn(x[j], x[j]);
+  return warp_sum(s);
+}
+
+// Unnormalized Walsh-Hadamard transform of a vector of 32*E elements, lane i holding
+// [i*E, (i+1)*E). Same stage order and the same (a + b, a - b) butterflies as fwht_inplace.
+template <int E>
+__device__ __forceinline__ void warp_fwht(float (&x)[E], int lane) {
+#pragma unroll
+  for (int h = 1; h < E; h <<= 1) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      if ((j & h) == 0) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const float other = __shfl_xor_sync(kFullMask, x[j], m);
+      x[j] = upper ? other - x[j] : x[j] + other;
+    }
+  }
+}
+
+// D = C + A * B with A 16x16 (row), B 16x8 (col), fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Transposes an 8x8 matrix of 16-bit elements held in the mma fragment layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Two e4m3 bytes (low byte first) -> half2 (low half first), hardware conversion on sm_89+.
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
+  uint32_t out;
+  const unsigned short in = static_cast<unsigned short>(two_bytes);
+  asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(in));
+  return out;
+}
+
+// Two small unsigned integers (< 1024) -> half2 exactly, via the 1024 + n bit pattern.
+__device__ __forceinline__ uint32_t codes_to_half2(uint32_t lo, uint32_t hi) {
+  const uint32_t biased = (0x6400u | lo) | ((0x6400u | hi) << 16);
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// 16-byte global -> shared copy that bypasses registers; `src_bytes` < 16 zero-fills the rest.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src, int src_bytes) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Loads NW 32-bit words of a little-endian byte stream starting at any byte address in shared
+// memory (reads one word past the end: callers keep slack after their buffers).
+template <int NW>
+__device__ __forceinline__ void load_unaligned_words(const uint8_t* p, uint32_t (&out)[NW]) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t(3));
+  const uint32_t shift = static_cast<uint32_t>(addr & 3u) * 8u;
+  uint32_t cur = w[0];
+#pragma unroll
+  for (int k = 0; k < NW; ++k) {
+    const uint32_t next = w[k + 1];
+    out[k] = __funnelshift_r(cur, next, shift);
+    cur = next;
+  }
+}
+
+// Bits [off, off + width) of a little-endian stream held in registers. Call it inside fully
+// unrolled loops so `off` folds to a constant and `w` stays in registers.
+template <int NW>
+__device__ __forceinline__ uint32_t extract_bits(const uint32_t (&w)[NW], int off, int width) {
+  const int word = off >> 5, shift = off & 31;
+  const uint32_t mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u);
+  if (shift + width <= 32) return (w[word] >> shift) & mask;
+  return __funnelshift_r(w[word], w[word + 1], shift) & mask;
+}
+
+}  // namespace device
+}  // namespace turboquant

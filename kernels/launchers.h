@@ -1,0 +1,86 @@
+// Torch-free launch API of the CUDA kernels: raw pointers, sizes and byte strides in, a
+// cudaError_t out. The torch glue (csrc/ops_cuda.cpp) validates arguments before calling.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "turboquant/layout.h"
+#include "turboquant/quantize.h"
+
+namespace turboquant {
+
+enum class ElementType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2 };
+
+// The paged cache, indexed [num_blocks, block_size, num_kv_heads, slot] with byte strides.
+struct CacheView {
+  uint8_t* data = nullptr;  // 16-byte aligned (decode loads aligned 16-byte chunks)
+  int64_t num_blocks = 0;
+  int block_size = 0;
+  int num_kv_heads = 0;
+  int64_t stride_block = 0;
+  int64_t stride_token = 0;
+  int64_t stride_head = 0;
+  int64_t span_bytes = 0;  // bytes from data to the end of the last slot: loads never pass it
+};
+
+struct StoreParams {
+  const void* key = nullptr;    // [num_tokens, num_kv_heads, head_dim]
+  const void* value = nullptr;  // [num_tokens, num_kv_heads, head_dim]
+  ElementType dtype = ElementType::kHalf;
+  int64_t num_tokens = 0;
+  const void* slot_mapping = nullptr;  // [num_tokens], int32 or int64; < 0 or past the cache: skip
+  bool slot_mapping_int64 = false;
+  CacheView cache;
+  SlotLayout layout;
+  Codebook codebook;  // unused for FP8 keys
+  bool norm_correction = false;
+};
+
+struct DecodeParams {
+  const void* query = nullptr;  // [batch, num_q_heads, head_dim]
+  void* out = nullptr;          // [batch, num_q_heads, head_dim], query's dtype
+  ElementType dtype = ElementType::kHalf;
+  int batch = 0;
+  int num_q_heads = 0;
+  CacheView cache;
+  const int32_t* block_table = nullptr;  // [batch, max_blocks_per_seq]
+  int max_blocks_per_seq = 0;
+  const int32_t* seq_lens = nullptr;  // [batch]
+  SlotLayout layout;
+  Codebook codebook;
+  float scale = 1.0f;
+  int num_splits = 1;
+  float* partial_out = nullptr;  // [batch, num_q_heads, num_splits, head_dim] (num_splits > 1)
+  float* partial_lse = nullptr;  // [batch, num_q_heads, num_splits], log2 domain
+};
+
+struct DequantizeParams {
+  CacheView cache;
+  const int32_t* block_table = nullptr;  // [batch, max_blocks_per_seq]
+  int max_blocks_per_seq = 0;
+  const int32_t* seq_lens = nullptr;  // [batch]
+  int batch = 0;
+  int max_seq_len = 0;
+  void* key_out = nullptr;    // [batch, max_seq_len, num_kv_heads, head_dim], zero-filled by caller
+  void* value_out = nullptr;  // same
+  ElementType dtype = ElementType::kHalf;
+  SlotLayout layout;
+  Codebook codebook;
+};
+
+// Head dims the kernels are compiled for (FP8 keys also 96: no rotation needed).
+bool cuda_supports_head_dim(const SlotLayout& layout);
+
+// Split-KV count the decode picks for these shapes on the current device.
+int decode_default_num_splits(const DecodeParams& p);
+
+// Query heads one decode CTA serves (a GQA group larger than this is split across CTAs).
+constexpr int kDecodeMaxHeadsPerCta = 8;
+
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
+
+}  // namespace turboquant

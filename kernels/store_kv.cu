@@ -1,0 +1,157 @@
+// Fused store: one warp quantizes one (token, KV head) and writes its packed slot, in a single
+// launch for the whole batch. Key: norm (warp reduction), normalize, Hadamard rotation as an
+// in-register FWHT with shuffles, Lloyd-Max bucketing, norm correction folded into the stored
+// norm (or FP8 e4m3). Value: warp min/max, fp16 scale/zero, codes. Packed bytes are assembled in
+// shared memory and written with 16-bit stores (slots are only 2-byte aligned).
+#include <cuda_runtime.h>
+
+#include "device_utils.cuh"
+#include "launchers.h"
+#include "turboquant/numeric.h"
+#include "turboquant/packing.h"
+
+namespace turboquant {
+namespace {
+
+constexpr int kStoreWarpsPerBlock = 8;
+constexpr int kMaxSlotBytes = 400;  // D=256 k8v4 slot is 388
+
+struct WarpScratch {
+  uint8_t slot[kMaxSlotBytes];
+  uint8_t index[256];  // quantization indices of the current field, one byte each
+};
+
+template <int E>
+__device__ __forceinline__ void pack_indices_to_slot(WarpScratch& ws, int lane, int bits, int offset) {
+  // Lane g packs group g (8 indices -> `bits` bytes), the same rule as the CPU (packing.h).
+  __syncwarp();
+  constexpr int kGroups = E * 32 / 8;
+#pragma unroll
+  for (int g = lane; g < kGroups; g += 32) pack_group_of_8(ws.index + 8 * g, bits, ws.slot + offset + bits * g);
+}
+
+template <typename T, int D, bool kFp8Key>
+__global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
+    store_kv_kernel(const StoreParams p, const float rsqrt_d) {
+  constexpr int E = D / 32;  // elements per lane
+  __shared__ WarpScratch scratch[kStoreWarpsPerBlock];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + warp;
+  const int heads = p.cache.num_kv_heads;
+  if (item >= p.num_tokens * heads) return;
+  const int64_t token = item / heads;
+  const int head = static_cast<int>(item % heads);
+  const int64_t slot_index = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[token]
+                                                  : static_cast<const int32_t*>(p.slot_mapping)[token];
+  if (slot_index < 0 || slot_index >= p.cache.num_blocks * p.cache.block_size) return;  // padding / out of range
+  WarpScratch& ws = scratch[warp];
+  const SlotLayout& L = p.layout;
+
+  const T* key = static_cast<const T*>(p.key) + item * D + lane * E;
+  const T* value = static_cast<const T*>(p.value) + item * D + lane * E;
+  float k[E], v[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    k[j] = device::to_float(key[j]);
+    v[j] = device::to_float(value[j]);
+  }
+
+  // ---- key
+  if constexpr (kFp8Key) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) ws.slot[lane * E + j] = float_to_fp8_e4m3(k[j]);
+  } else {
+    const float norm = sqrtf(device::warp_sum_of_squares<E>(k));
+    const float denom = norm + kKeyNormEpsilon;
+#pragma unroll
+    for (int j = 0; j < E; ++j) k[j] = k[j] / denom;
+    device::warp_fwht<E>(k, lane);
+    float c[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const uint32_t idx = lloyd_max_index(k[j] * rsqrt_d, p.codebook);
+      ws.index[lane * E + j] = static_cast<uint8_t>(idx);
+      c[j] = p.codebook.centroid[idx];
+    }
+    const float stored = p.norm_correction ? norm / sqrtf(device::warp_sum_of_squares<E>(c)) : norm;
+    pack_indices_to_slot<E>(ws, lane, L.key_bits, 0);
+    if (lane == 0) {
+      const uint16_t h = float_to_half_bits(stored);
+      ws.slot[L.key_norm_offset] = static_cast<uint8_t>(h & 0xff);
+      ws.slot[L.key_norm_offset + 1] = static_cast<uint8_t>(h >> 8);
+    }
+  }
+
+  // ---- value
+  float vmin = v[0], vmax = v[0];
+#pragma unroll
+  for (int j = 1; j < E; ++j) {
+    vmin = fminf(vmin, v[j]);
+    vmax = fmaxf(vmax, v[j]);
+  }
+  vmin = device::warp_min(vmin);
+  vmax = device::warp_max(vmax);
+  const ValueQuantParams q = value_quant_params(vmin, vmax, L.value_bits);
+  __syncwarp();  // key packing finished reading ws.index
+#pragma unroll
+  for (int j = 0; j < E; ++j) ws.index[lane * E + j] = static_cast<uint8_t>(value_code(v[j], q, L.value_bits));
+  pack_indices_to_slot<E>(ws, lane, L.value_bits, L.value_data_offset);
+  if (lane == 0) {
+    ws.slot[L.value_scale_offset] = static_cast<uint8_t>(q.scale_bits & 0xff);
+    ws.slot[L.value_scale_offset + 1] = static_cast<uint8_t>(q.scale_bits >> 8);
+    ws.slot[L.value_zero_offset] = static_cast<uint8_t>(q.zero_bits & 0xff);
+    ws.slot[L.value_zero_offset + 1] = static_cast<uint8_t>(q.zero_bits >> 8);
+    if (L.slot_size_aligned > L.slot_size) ws.slot[L.slot_size] = 0;  // padding byte
+  }
+  __syncwarp();
+
+  // ---- write the slot with 16-bit stores (slot_size_aligned is even, slots 2-byte aligned)
+  const int64_t block = slot_index / p.cache.block_size;
+  const int64_t offset = slot_index % p.cache.block_size;
+  uint16_t* dst = reinterpret_cast<uint16_t*>(p.cache.data + block * p.cache.stride_block +
+                                              offset * p.cache.stride_token + head * p.cache.stride_head);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(ws.slot);
+  for (int w = lane; w < L.slot_size_aligned / 2; w += 32) dst[w] = src[w];
+}
+
+template <typename T, int D, bool kFp8Key>
+cudaError_t launch_store_typed(const StoreParams& p, cudaStream_t stream) {
+  const int64_t items = p.num_tokens * p.cache.num_kv_heads;
+  if (items == 0) return cudaSuccess;
+  const int64_t blocks = (items + kStoreWarpsPerBlock - 1) / kStoreWarpsPerBlock;
+  const float rsqrt_d = 1.0f / sqrtf(static_cast<float>(D));  // same expression as the CPU
+  store_kv_kernel<T, D, kFp8Key><<<static_cast<unsigned>(blocks), kStoreWarpsPerBlock * 32, 0, stream>>>(p, rsqrt_d);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_store_dtype(const StoreParams& p, cudaStream_t stream) {
+  const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
+  switch (p.layout.head_dim) {
+    case 64: return fp8 ? launch_store_typed<T, 64, true>(p, stream) : launch_store_typed<T, 64, false>(p, stream);
+    case 96: return fp8 ? launch_store_typed<T, 96, true>(p, stream) : cudaErrorInvalidValue;
+    case 128: return fp8 ? launch_store_typed<T, 128, true>(p, stream) : launch_store_typed<T, 128, false>(p, stream);
+    case 256: return fp8 ? launch_store_typed<T, 256, true>(p, stream) : launch_store_typed<T, 256, false>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool cuda_supports_head_dim(const SlotLayout& layout) {
+  const int d = layout.head_dim;
+  return d == 64 || d == 128 || d == 256 || (d == 96 && layout.key_format == KeyFormat::kFp8);
+}
+
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
+  if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case ElementType::kHalf: return launch_store_dtype<__half>(p, stream);
+    case ElementType::kBFloat16: return launch_store_dtype<__nv_bfloat16>(p, stream);
+    case ElementType::kFloat: return launch_store_dtype<float>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace turboquant
