@@ -24,7 +24,7 @@ void encode_slot(const float* key, const float* value, const SlotLayout& layout,
     const float rsqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
     std::vector<float> c(d);
     for (int i = 0; i < d; ++i) {
-      idx[i] = static_cast<uint8_t>(lloyd_max_index(y[i] * rsqrt_d, *codebook));
+      idx[i] = static_cast<uint8_t>(lloyd_max_index(y[i] * rsqrt_d, codebook->midpoint, codebook->levels));
       c[i] = codebook->centroid[idx[i]];
     }
     pack_indices(idx.data(), d, layout.key_bits, slot);

@@ -1,6 +1,6 @@
 // Split-KV decode attention directly on the packed paged cache.
 //
-// One CTA (4 warps) per (sequence, KV head, split) serves all query heads of the GQA group (up
+// One CTA (8 warps) per (sequence, KV head, split) serves all query heads of the GQA group (up
 // to 8; larger groups take several CTAs), so each packed byte is read from HBM once. Per warp and
 // 16-token tile:
 //   * cp.async copies the tile's 16 slots (aligned 16-byte chunks around each 2-byte-aligned
@@ -29,9 +29,8 @@
 namespace turboquant {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;  // one pair table and one query rotation serve 8 warps
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 3;
 constexpr int kHeads = kDecodeMaxHeadsPerCta;  // MMA N dimension
 constexpr int kMaxSplits = 256;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -51,6 +50,7 @@ struct DecodeConfig {
   static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
   static constexpr int kStageBytes = 16 * kRowBytes;
+  static constexpr int kStages = D > 128 ? 2 : 3;  // cp.async ring depth per warp
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
   static constexpr int kKeyWords = cdiv(kKeyChunkBytes, 4);
@@ -133,10 +133,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
   const int my_tiles = warp < num_tiles ? cdiv(num_tiles - warp, kWarps) : 0;
-  uint8_t* ring = scratch + warp * kStages * C::kStageBytes;
-  int16_t* my_shifts = shifts + warp * kStages * 16;
+  uint8_t* ring = scratch + warp * C::kStages * C::kStageBytes;
+  int16_t* my_shifts = shifts + warp * C::kStages * 16;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
+  const uint32_t* lane_table = pair_table + lane;  // this lane's bank of the replicated table
 
   auto issue_tile = [&](int local_tile, int stage) {
     const int t0 = range.begin + (warp + local_tile * kWarps) * kTokenTile;
@@ -144,19 +145,21 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     const bool block_ok = block >= 0 && block < p.cache.num_blocks;
     const int64_t tile_base = block * p.cache.stride_block + static_cast<int64_t>(t0 % block_size) * p.cache.stride_token + head_offset;
     uint8_t* dst_stage = ring + stage * C::kStageBytes;
-    for (int idx = lane; idx < 16 * C::kChunks; idx += 32) {
-      const int r = idx / C::kChunks, chunk = idx % C::kChunks;
-      if (!block_ok || t0 + r >= range.end) continue;
-      const int64_t slot = tile_base + r * p.cache.stride_token;
-      const int64_t src = (slot & ~int64_t(15)) + 16 * chunk;
-      const int64_t avail = p.cache.span_bytes - src;  // never read past the cache
-      if (avail <= 0) continue;
-      cp_async_16(dst_stage + r * C::kRowBytes + 16 * chunk, p.cache.data + src, avail < 16 ? static_cast<int>(avail) : 16);
+    // Lane -> one token row (lane % 16) and every other 16-byte chunk of it (from lane / 16).
+    const int r = lane & 15;
+    const bool row_ok = block_ok && t0 + r < range.end;
+    const int64_t slot = tile_base + r * p.cache.stride_token;
+    if (row_ok) {
+      const int64_t first = slot & ~int64_t(15);
+      uint8_t* dst_row = dst_stage + r * C::kRowBytes;
+#pragma unroll
+      for (int chunk = lane >> 4; chunk < C::kChunks; chunk += 2) {
+        const int64_t src = first + 16 * chunk;
+        const int64_t avail = p.cache.span_bytes - src;  // never read past the cache
+        if (avail > 0) cp_async_16(dst_row + 16 * chunk, p.cache.data + src, avail < 16 ? static_cast<int>(avail) : 16);
+      }
     }
-    if (lane < 16) {
-      const int64_t slot = tile_base + lane * p.cache.stride_token;
-      my_shifts[stage * 16 + lane] = (block_ok && t0 + lane < range.end) ? static_cast<int16_t>(slot & 15) : int16_t(-1);
-    }
+    if (lane < 16) my_shifts[stage * 16 + r] = row_ok ? static_cast<int16_t>(slot & 15) : int16_t(-1);
   };
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
@@ -167,18 +170,18 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   for (int i = 0; i < C::kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < my_tiles) issue_tile(s, s);
     cp_async_commit();
   }
   for (int it = 0; it < my_tiles; ++it) {
-    const int next = it + kStages - 1;
-    if (next < my_tiles) issue_tile(next, next % kStages);
+    const int next = it + C::kStages - 1;
+    if (next < my_tiles) issue_tile(next, next % C::kStages);
     cp_async_commit();
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<C::kStages - 1>();
     __syncwarp();
 
-    const int stage = it % kStages;
+    const int stage = it % C::kStages;
     const uint8_t* rows = ring + stage * C::kStageBytes;
     const int16_t* sh = my_shifts + stage * 16;
     auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + max(static_cast<int>(sh[r]), 0); };
@@ -200,10 +203,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
         a1 = fp8x2_to_half2(extract_bits(key_hi, 32 * j, 16));
         a3 = fp8x2_to_half2(extract_bits(key_hi, 32 * j + 16, 16));
       } else {
-        a0 = pair_table[extract_bits(key_lo, 4 * j * C::KB, 2 * C::KB) * 32 + lane];
-        a2 = pair_table[extract_bits(key_lo, (4 * j + 2) * C::KB, 2 * C::KB) * 32 + lane];
-        a1 = pair_table[extract_bits(key_hi, 4 * j * C::KB, 2 * C::KB) * 32 + lane];
-        a3 = pair_table[extract_bits(key_hi, (4 * j + 2) * C::KB, 2 * C::KB) * 32 + lane];
+        a0 = lane_table[extract_bits(key_lo, 4 * j * C::KB, 2 * C::KB) << 5];
+        a2 = lane_table[extract_bits(key_lo, (4 * j + 2) * C::KB, 2 * C::KB) << 5];
+        a1 = lane_table[extract_bits(key_hi, 4 * j * C::KB, 2 * C::KB) << 5];
+        a3 = lane_table[extract_bits(key_hi, (4 * j + 2) * C::KB, 2 * C::KB) << 5];
       }
       mma_16816(sc, a0, a1, a2, a3, qf[j][0], qf[j][1]);
     }
@@ -240,12 +243,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     const float vz_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_zero_offset) : 0.0f;
     z[0] = z[0] * alpha0 + (p0 * vz_lo + p2 * vz_hi);
     z[1] = z[1] * alpha1 + (p1 * vz_lo + p3 * vz_hi);
+    if (__any_sync(kFullMask, alpha0 != 1.0f || alpha1 != 1.0f)) {  // rare once the max settles
 #pragma unroll
-    for (int i = 0; i < C::kKSteps; ++i) {
-      acc[i][0] *= alpha0;
-      acc[i][1] *= alpha1;
-      acc[i][2] *= alpha0;
-      acc[i][3] *= alpha1;
+      for (int i = 0; i < C::kKSteps; ++i) {
+        acc[i][0] *= alpha0;
+        acc[i][1] *= alpha1;
+        acc[i][2] *= alpha0;
+        acc[i][3] *= alpha1;
+      }
     }
     // B = (P * value_scale)^T: transpose the C-layout tiles (tokens x heads) in registers.
     const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
@@ -260,11 +265,25 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     load_unaligned_words(slot_ptr(2 * c + 9) + value_at, vw[3]);
 #pragma unroll
     for (int i = 0; i < C::kKSteps; ++i) {
-      const int d0 = 2 * i * C::VB, d1 = (2 * i + 1) * C::VB;
-      const uint32_t a0 = codes_to_half2(extract_bits(vw[0], d0, C::VB), extract_bits(vw[1], d0, C::VB));
-      const uint32_t a1 = codes_to_half2(extract_bits(vw[0], d1, C::VB), extract_bits(vw[1], d1, C::VB));
-      const uint32_t a2 = codes_to_half2(extract_bits(vw[2], d0, C::VB), extract_bits(vw[3], d0, C::VB));
-      const uint32_t a3 = codes_to_half2(extract_bits(vw[2], d1, C::VB), extract_bits(vw[3], d1, C::VB));
+      uint32_t a0, a1, a2, a3;
+      if constexpr (C::VB == 4) {
+        // Byte i of each token's chunk holds dims 2i (low nibble, row g) and 2i + 1 (high
+        // nibble, row g + 8): interleave the two tokens' bytes, then one mask per nibble.
+        const int w = i >> 2, byte = i & 3;
+        const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
+        const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel);
+        const uint32_t x23 = __byte_perm(vw[2][w], vw[3][w], sel);
+        a0 = nibbles_to_half2(x01);
+        a1 = nibbles_to_half2(x01 >> 4);
+        a2 = nibbles_to_half2(x23);
+        a3 = nibbles_to_half2(x23 >> 4);
+      } else {
+        const int d0 = 2 * i * C::VB, d1 = (2 * i + 1) * C::VB;
+        a0 = codes_to_half2(extract_bits(vw[0], d0, C::VB), extract_bits(vw[1], d0, C::VB));
+        a1 = codes_to_half2(extract_bits(vw[0], d1, C::VB), extract_bits(vw[1], d1, C::VB));
+        a2 = codes_to_half2(extract_bits(vw[2], d0, C::VB), extract_bits(vw[3], d0, C::VB));
+        a3 = codes_to_half2(extract_bits(vw[2], d1, C::VB), extract_bits(vw[3], d1, C::VB));
+      }
       mma_16816(acc[i], a0, a1, a2, a3, pb0, pb1);
     }
     __syncwarp();  // this stage is refilled by the next iteration

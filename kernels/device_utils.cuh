@@ -121,6 +121,13 @@ __device__ __forceinline__ uint32_t codes_to_half2(uint32_t lo, uint32_t hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// Low nibbles of bytes 0 and 2 of x -> half2 exactly (the same 1024 + n trick).
+__device__ __forceinline__ uint32_t nibbles_to_half2(uint32_t x) {
+  const uint32_t biased = (x & 0x000f000fu) | 0x64006400u;
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // 16-byte global -> shared copy that bypasses registers; `src_bytes` < 16 zero-fills the rest.
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src, int src_bytes) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));

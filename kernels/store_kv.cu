@@ -16,6 +16,26 @@ namespace {
 constexpr int kStoreWarpsPerBlock = 8;
 constexpr int kMaxSlotBytes = 400;  // D=256 k8v4 slot is 388
 
+// Loads E consecutive elements (E * sizeof(T) bytes, aligned to that: the glue checks 16-byte
+// aligned inputs) with the widest vector load that fits.
+template <typename T, int E>
+__device__ __forceinline__ void load_elements(const T* src, float (&out)[E]) {
+  constexpr int kBytes = E * static_cast<int>(sizeof(T));
+  T vals[E];
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src)[k];
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 8; ++k) reinterpret_cast<uint2*>(vals)[k] = reinterpret_cast<const uint2*>(src)[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k) vals[k] = src[k];
+  }
+#pragma unroll
+  for (int j = 0; j < E; ++j) out[j] = device::to_float(vals[j]);
+}
+
 struct WarpScratch {
   uint8_t slot[kMaxSlotBytes];
   uint8_t index[256];  // quantization indices of the current field, one byte each
@@ -35,6 +55,12 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
     store_kv_kernel(const StoreParams p, const float rsqrt_d) {
   constexpr int E = D / 32;  // elements per lane
   __shared__ WarpScratch scratch[kStoreWarpsPerBlock];
+  __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
+  if (threadIdx.x < kMaxCodebookLevels) {
+    centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
+    midpoint[threadIdx.x] = threadIdx.x < kMaxCodebookLevels - 1 ? p.codebook.midpoint[threadIdx.x] : INFINITY;
+  }
+  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + warp;
@@ -48,14 +74,9 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
   WarpScratch& ws = scratch[warp];
   const SlotLayout& L = p.layout;
 
-  const T* key = static_cast<const T*>(p.key) + item * D + lane * E;
-  const T* value = static_cast<const T*>(p.value) + item * D + lane * E;
   float k[E], v[E];
-#pragma unroll
-  for (int j = 0; j < E; ++j) {
-    k[j] = device::to_float(key[j]);
-    v[j] = device::to_float(value[j]);
-  }
+  load_elements<T, E>(static_cast<const T*>(p.key) + item * D + lane * E, k);
+  load_elements<T, E>(static_cast<const T*>(p.value) + item * D + lane * E, v);
 
   // ---- key
   if constexpr (kFp8Key) {
@@ -70,9 +91,9 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
     float c[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      const uint32_t idx = lloyd_max_index(k[j] * rsqrt_d, p.codebook);
+      const uint32_t idx = lloyd_max_index(k[j] * rsqrt_d, midpoint, p.codebook.levels);
       ws.index[lane * E + j] = static_cast<uint8_t>(idx);
-      c[j] = p.codebook.centroid[idx];
+      c[j] = centroid[idx];
     }
     const float stored = p.norm_correction ? norm / sqrtf(device::warp_sum_of_squares<E>(c)) : norm;
     pack_indices_to_slot<E>(ws, lane, L.key_bits, 0);

@@ -17,7 +17,7 @@ echo "== built in $(( $(date +%s) - start )) s"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
-  PYTHONPATH=python timeout 420 "$PYTHON" -m pytest tests/python -q -x -rs -n 8 ${2:+-k "$2"} > "$OUT/pytest.log" 2>&1 || status=1
+  PYTHONPATH=python timeout 420 "$PYTHON" -m pytest tests/python -q -rs -n 8 ${2:+-k "$2"} > "$OUT/pytest.log" 2>&1 || status=1
   tail -15 "$OUT/pytest.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -23,12 +23,12 @@ struct Codebook {
 };
 
 // Index of the Lloyd-Max cell of y: the number of midpoints <= y (a coordinate equal to a midpoint
-// goes to the upper cell). Branch-free so a warp does not diverge.
-TQ_HD uint32_t lloyd_max_index(float y, const Codebook& cb) {
+// goes to the upper cell). Branch-free binary search over the ascending midpoints (levels a power
+// of two); NaN compares false everywhere and lands in cell 0.
+TQ_HD uint32_t lloyd_max_index(float y, const float* midpoints, int levels) {
   uint32_t idx = 0;
-  TQ_UNROLL
-  for (int i = 0; i < kMaxCodebookLevels - 1; ++i) {
-    idx += (i < cb.levels - 1 && cb.midpoint[i] <= y) ? 1u : 0u;
+  for (int step = levels >> 1; step > 0; step >>= 1) {
+    idx += (midpoints[idx + step - 1] <= y) ? static_cast<uint32_t>(step) : 0u;
   }
   return idx;
 }
