@@ -79,6 +79,9 @@ at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, cons
               "turboquant: CUDA decode takes a float16 or bfloat16 query, got ", query.scalar_type());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
               "turboquant: kv_cache must be 16-byte aligned for CUDA decode (a freshly allocated cache is)");
+  TORCH_CHECK(a.cache.span_bytes % 16 == 0,
+              "turboquant: CUDA decode copies whole 16-byte chunks, so the kv_cache view must end on a 16-byte ",
+              "boundary (a whole allocated cache does); got a view spanning ", a.cache.span_bytes, " bytes");
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty_like(query);

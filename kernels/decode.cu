@@ -3,8 +3,9 @@
 // One CTA (8 warps) per (sequence, KV head, split) serves all query heads of the GQA group (up
 // to 8; larger groups take several CTAs), so each packed byte is read from HBM once. Per warp and
 // 16-token tile:
-//   * cp.async copies the tile's 16 slots (aligned 16-byte chunks around each 2-byte-aligned
-//     slot) into a per-warp 3-stage shared-memory ring;
+//   * TMA bulk copies bring the tile's 16 slots (the aligned 16-byte chunks around each
+//     2-byte-aligned slot, one copy per token) into a per-warp shared-memory ring, completing
+//     on one mbarrier per stage;
 //   * S^T = K~ Q^T on tensor cores (mma m16n8k16: tokens are the M dimension, heads the N), with
 //     A fragments dequantized straight into registers: a pair of Lloyd-Max indices indexes a
 //     bank-replicated half2 table, FP8 pairs use the hardware e4m3x2 -> f16x2 conversion. The
@@ -65,7 +66,8 @@ struct DecodeConfig {
   static constexpr int kScratchBytes =
       cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes)), 16) * 16;
   static constexpr int kShiftBytes = kWarps * kStages * 16 * 2;
-  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + kShiftBytes;
+  static constexpr int kBarrierBytes = kWarps * kStages * 8;  // one mbarrier per warp and stage
+  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + kShiftBytes + kBarrierBytes;
 };
 
 __device__ __forceinline__ float load_half(const uint8_t* p) {
@@ -81,6 +83,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   uint8_t* scratch = smem;
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
   int16_t* shifts = reinterpret_cast<int16_t*>(smem + C::kScratchBytes + C::kPairTableWords * 4);
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + C::kScratchBytes + C::kPairTableWords * 4 + C::kShiftBytes);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
@@ -106,6 +109,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       pair_table[i] = pack_half2(p.codebook.centroid[pair & mask], p.codebook.centroid[pair >> C::KB]);
     }
   }
+  if (threadIdx.x < kWarps * C::kStages) mbarrier_init(barriers + threadIdx.x, 1);
+  fence_mbarrier_init();
   __syncthreads();
   if constexpr (!C::kFp8Key) {
     for (int h = 1; h < D; h <<= 1) {  // same butterflies as fwht_inplace, one row per head
@@ -128,6 +133,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     qf[j][0] = pack_half2(r[0] * q_multiplier, r[1] * q_multiplier);
     qf[j][1] = pack_half2(r[2] * q_multiplier, r[3] * q_multiplier);
   }
+  fence_proxy_async_shared();  // generic qs accesses before TMA writes the ring
   __syncthreads();  // the ring reuses qs
 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
@@ -145,20 +151,20 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     const bool block_ok = block >= 0 && block < p.cache.num_blocks;
     const int64_t tile_base = block * p.cache.stride_block + static_cast<int64_t>(t0 % block_size) * p.cache.stride_token + head_offset;
     uint8_t* dst_stage = ring + stage * C::kStageBytes;
-    // Lane -> one token row (lane % 16) and every other 16-byte chunk of it (from lane / 16).
     const int r = lane & 15;
-    const bool row_ok = block_ok && t0 + r < range.end;
+    const bool row_ok = lane < 16 && block_ok && t0 + r < range.end;
     const int64_t slot = tile_base + r * p.cache.stride_token;
-    if (row_ok) {
-      const int64_t first = slot & ~int64_t(15);
-      uint8_t* dst_row = dst_stage + r * C::kRowBytes;
+    const int64_t first = slot & ~int64_t(15);  // the aligned 16-byte chunks around the slot
+    // One TMA bulk copy per token row (the host guarantees span_bytes is a multiple of 16).
+    const int64_t left = p.cache.span_bytes - first;
+    const uint32_t bytes = row_ok ? static_cast<uint32_t>(left < C::kChunks * 16 ? left : C::kChunks * 16) : 0u;
+    uint32_t total = bytes;
 #pragma unroll
-      for (int chunk = lane >> 4; chunk < C::kChunks; chunk += 2) {
-        const int64_t src = first + 16 * chunk;
-        const int64_t avail = p.cache.span_bytes - src;  // never read past the cache
-        if (avail > 0) cp_async_16(dst_row + 16 * chunk, p.cache.data + src, avail < 16 ? static_cast<int>(avail) : 16);
-      }
-    }
+    for (int off = 8; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
+    uint64_t* barrier = barriers + warp * C::kStages + stage;
+    if (lane == 0) mbarrier_arrive_expect_tx(barrier, total);
+    __syncwarp();
+    if (bytes > 0) bulk_copy_to_shared(dst_stage + r * C::kRowBytes, p.cache.data + first, bytes, barrier);
     if (lane < 16) my_shifts[stage * 16 + r] = row_ok ? static_cast<int16_t>(slot & 15) : int16_t(-1);
   };
 
@@ -172,14 +178,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < my_tiles) issue_tile(s, s);
-    cp_async_commit();
   }
   for (int it = 0; it < my_tiles; ++it) {
     const int next = it + C::kStages - 1;
     if (next < my_tiles) issue_tile(next, next % C::kStages);
-    cp_async_commit();
-    cp_async_wait<C::kStages - 1>();
-    __syncwarp();
+    mbarrier_wait_parity(barriers + warp * C::kStages + it % C::kStages, (it / C::kStages) & 1);
+    __syncwarp();  // the row shifts written by lanes 0-15
 
     const int stage = it % C::kStages;
     const uint8_t* rows = ring + stage * C::kStageBytes;
@@ -286,9 +290,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       }
       mma_16816(acc[i], a0, a1, a2, a3, pb0, pb1);
     }
-    __syncwarp();  // this stage is refilled by the next iteration
+    // This stage is refilled by the next iteration: every lane's reads of it have completed (their
+    // values fed the MMAs above) before the barrier below, as in CUTLASS's TMA pipelines.
+    __syncwarp();
   }
-  cp_async_wait<0>();
 
   // ---- combine the warps
 #pragma unroll

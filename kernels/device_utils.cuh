@@ -128,22 +128,15 @@ __device__ __forceinline__ uint32_t nibbles_to_half2(uint32_t x) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// 16-byte global -> shared copy that bypasses registers; `src_bytes` < 16 zero-fills the rest.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src, int src_bytes) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // Loads NW 32-bit words of a little-endian byte stream starting at any byte address in shared
 // memory (reads one word past the end: callers keep slack after their buffers).
 template <int NW>
 __device__ __forceinline__ void load_unaligned_words(const uint8_t* p, uint32_t (&out)[NW]) {
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t(3));
-  const uint32_t shift = static_cast<uint32_t>(addr & 3u) * 8u;
+  // Step back with pointer arithmetic (not an integer round trip) so the compiler keeps the
+  // shared address space and emits LDS rather than generic loads.
+  const uint32_t misalign = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 3u);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p - misalign);
+  const uint32_t shift = misalign * 8u;
   uint32_t cur = w[0];
 #pragma unroll
   for (int k = 0; k < NW; ++k) {
@@ -161,6 +154,44 @@ __device__ __forceinline__ uint32_t extract_bits(const uint32_t (&w)[NW], int of
   const uint32_t mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u);
   if (shift + width <= 32) return (w[word] >> shift) & mask;
   return __funnelshift_r(w[word], w[word + 1], shift) & mask;
+}
+
+// ---- Hopper bulk copies (TMA engine, no tensor map) completing on an mbarrier.
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Orders this thread's generic shared-memory accesses before later async-proxy (TMA) writes.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_address(dst)),
+      "l"(src), "r"(bytes), "r"(smem_address(bar))
+      : "memory");
 }
 
 }  // namespace device

@@ -36,7 +36,7 @@ __device__ __forceinline__ void load_elements(const T* src, float (&out)[E]) {
   for (int j = 0; j < E; ++j) out[j] = device::to_float(vals[j]);
 }
 
-struct WarpScratch {
+struct alignas(4) WarpScratch {
   uint8_t slot[kMaxSlotBytes];
   uint8_t index[256];  // quantization indices of the current field, one byte each
 };
@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
   load_elements<T, E>(static_cast<const T*>(p.value) + item * D + lane * E, v);
 
   // ---- key
+  uint16_t key_norm_bits = 0;
   if constexpr (kFp8Key) {
 #pragma unroll
     for (int j = 0; j < E; ++j) ws.slot[lane * E + j] = float_to_fp8_e4m3(k[j]);
@@ -97,11 +98,7 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
     }
     const float stored = p.norm_correction ? norm / sqrtf(device::warp_sum_of_squares<E>(c)) : norm;
     pack_indices_to_slot<E>(ws, lane, L.key_bits, 0);
-    if (lane == 0) {
-      const uint16_t h = float_to_half_bits(stored);
-      ws.slot[L.key_norm_offset] = static_cast<uint8_t>(h & 0xff);
-      ws.slot[L.key_norm_offset + 1] = static_cast<uint8_t>(h >> 8);
-    }
+    key_norm_bits = float_to_half_bits(stored);
   }
 
   // ---- value
@@ -118,11 +115,13 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
 #pragma unroll
   for (int j = 0; j < E; ++j) ws.index[lane * E + j] = static_cast<uint8_t>(value_code(v[j], q, L.value_bits));
   pack_indices_to_slot<E>(ws, lane, L.value_bits, L.value_data_offset);
+  __syncwarp();  // every packed byte is in place
   if (lane == 0) {
-    ws.slot[L.value_scale_offset] = static_cast<uint8_t>(q.scale_bits & 0xff);
-    ws.slot[L.value_scale_offset + 1] = static_cast<uint8_t>(q.scale_bits >> 8);
-    ws.slot[L.value_zero_offset] = static_cast<uint8_t>(q.zero_bits & 0xff);
-    ws.slot[L.value_zero_offset + 1] = static_cast<uint8_t>(q.zero_bits >> 8);
+    // The fp16 fields sit at even offsets: one 16-bit store each, after all byte packing.
+    uint16_t* halves = reinterpret_cast<uint16_t*>(ws.slot);
+    if constexpr (!kFp8Key) halves[L.key_norm_offset / 2] = key_norm_bits;
+    halves[L.value_scale_offset / 2] = q.scale_bits;
+    halves[L.value_zero_offset / 2] = q.zero_bits;
     if (L.slot_size_aligned > L.slot_size) ws.slot[L.slot_size] = 0;  // padding byte
   }
   __syncwarp();

@@ -224,3 +224,4 @@ def test_cuda_bad_input_messages():
         c32 = tq.allocate_kv_cache(4, 16, 2, 32, "turboquant_4bit_nc", "cuda")
         tq.store_kv(torch.randn(1, 2, 32, device="cuda"), torch.randn(1, 2, 32, device="cuda"), c32,
                     torch.zeros(1, dtype=torch.int32, device="cuda"), "turboquant_4bit_nc")
+
