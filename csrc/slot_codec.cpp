@@ -30,7 +30,7 @@ void encode_slot(const float* key, const float* value, const SlotLayout& layout,
     pack_indices(idx.data(), d, layout.key_bits, slot);
     const float stored =
         norm_correction ? norm / std::sqrt(sum_of_squares_warp_order(c.data(), d)) : norm;
-    store_half_field(slot, layout.key_norm_offset, float_to_half_bits(stored));
+    store_half_field(slot, layout.key_norm_offset, key_norm_half_bits(stored));
   }
   float vmin = value[0], vmax = value[0];
   for (int i = 1; i < d; ++i) {

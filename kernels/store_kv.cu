@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
     }
     const float stored = p.norm_correction ? norm / sqrtf(device::warp_sum_of_squares<E>(c)) : norm;
     pack_indices_to_slot<E>(ws, lane, L.key_bits, 0);
-    key_norm_bits = float_to_half_bits(stored);
+    key_norm_bits = key_norm_half_bits(stored);
   }
 
   // ---- value

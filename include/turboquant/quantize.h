@@ -33,6 +33,13 @@ TQ_HD uint32_t lloyd_max_index(float y, const float* midpoints, int levels) {
   return idx;
 }
 
+// The stored fp16 key norm: norms past the fp16 range saturate to 65504 (rather than becoming inf,
+// whose decoded key would be NaN after the inverse rotation); NaN stays NaN.
+constexpr float kHalfMax = 65504.0f;
+TQ_HD uint16_t key_norm_half_bits(float stored_norm) {
+  return float_to_half_bits(stored_norm > kHalfMax ? kHalfMax : stored_norm);
+}
+
 // Value quantization parameters as stored (fp16-rounded), so encode and decode agree.
 struct ValueQuantParams {
   uint16_t scale_bits;

@@ -67,7 +67,7 @@ def encode_slot_reference(key: torch.Tensor, value: torch.Tensor, preset: str):
         c = centroids.to(torch.float64)[idx]
         stored = norm / c.norm().item() if info.norm_correction else norm
         out[0:layout.key_data_bytes] = pack_bits(idx.tolist(), info.key_bits)
-        out[layout.key_norm_offset:layout.key_norm_offset + 2] = half_bytes(stored)
+        out[layout.key_norm_offset:layout.key_norm_offset + 2] = half_bytes(min(stored, 65504.0))
     v32 = value.to(torch.float32)
     vmin, vmax = v32.min(), v32.max()
     levels = (1 << info.value_bits) - 1

@@ -225,3 +225,26 @@ def test_cuda_bad_input_messages():
         tq.store_kv(torch.randn(1, 2, 32, device="cuda"), torch.randn(1, 2, 32, device="cuda"), c32,
                     torch.zeros(1, dtype=torch.int32, device="cuda"), "turboquant_4bit_nc")
 
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_edge_values_store_like_cpu_and_stay_confined(preset):
+    """fp16 extremes, zero/constant vectors and a NaN key: same bytes as the CPU; the NaN reaches
+    only the sequence that reads it."""
+    key = torch.randn(64, 2, 128)
+    key[0] = 0.0
+    key[1] = 65504.0
+    key[1, :, ::2] = -65504.0
+    key[2] = 0.5
+    key[3, 0, 7] = float("nan")
+    cpu = tq.allocate_kv_cache(8, 16, 2, 128, preset)
+    gpu = cpu.cuda()
+    slots = torch.arange(64)
+    tq.store_kv(key.half(), key.half(), cpu, slots, preset)
+    tq.store_kv(key.half().cuda(), key.half().cuda(), gpu, slots.cuda(), preset)
+    assert torch.equal(gpu.cpu()[:, :, :, tq.slot_layout(preset, 128).value_data_offset:],
+                       cpu[:, :, :, tq.slot_layout(preset, 128).value_data_offset:])
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32).cuda()
+    out = tq.decode(torch.randn(2, 8, 128, device="cuda", dtype=torch.float16), gpu, bt,
+                    torch.tensor([64, 64], dtype=torch.int32, device="cuda"), preset, 0.1)
+    assert not torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()

@@ -1,0 +1,54 @@
+"""Numerical edge cases (defined behaviour, README "Guarantees"): zero and constant vectors,
+fp16 extremes, FP8 saturation, NaN/inf confined to the sequences that read them."""
+
+import pytest
+import torch
+
+import turboquant as tq
+from helpers import make_paged_batch
+
+PRESETS = list(tq.PRESETS)
+
+
+def _store_one(preset, key, value, d=128):
+    cache = tq.allocate_kv_cache(1, 16, 1, d, preset)
+    tq.store_kv(key.view(1, 1, d), value.view(1, 1, d), cache, torch.zeros(1, dtype=torch.int32), preset)
+    k, v = tq.dequantize(cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), preset,
+                         torch.float32)
+    return k[0, 0, 0], v[0, 0, 0]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_zero_and_constant_vectors(preset):
+    k, v = _store_one(preset, torch.zeros(128), torch.full((128,), 0.75))
+    assert (k == 0).all(), "a zero key decodes to zero (stored norm 0)"
+    assert (v == 0.75).all(), "a constant value decodes exactly (scale 0, zero = the constant)"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fp16_extremes_stay_finite(preset):
+    key = torch.full((128,), 65504.0)
+    key[::2] = -65504.0
+    value = key.clone()
+    k, v = _store_one(preset, key.half(), value.half())
+    assert torch.isfinite(k).all() and torch.isfinite(v).all(), "key norms past fp16 saturate to 65504"
+    assert v.min() == -65504.0 and abs(v.max().item() - 65504.0) <= 131008 / 15  # within one value step
+
+
+def test_fp8_keys_saturate():
+    k, _ = _store_one("turboquant_k8v4", torch.linspace(-1000, 1000, 128), torch.zeros(128))
+    assert k.max() == 448.0 and k.min() == -448.0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_stays_in_its_sequence(preset, bad):
+    cache, bt, sl, _, _ = make_paged_batch([40, 40], 16, 2, 128, preset)
+    clean = tq.decode(torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(1)), cache, bt, sl, preset, 0.1)
+    key = torch.randn(1, 2, 128)
+    key[0, 0, 5] = bad
+    slot = bt[0, 1].item() * 16 + 3  # token 19 of sequence 0
+    tq.store_kv(key, key, cache, torch.tensor([slot]), preset)
+    out = tq.decode(torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(1)), cache, bt, sl, preset, 0.1)
+    torch.testing.assert_close(out[1], clean[1], rtol=0, atol=0)  # the other sequence is untouched
+    assert not torch.isfinite(out[0, :2]).all(), "the sequence that reads the token sees it"
