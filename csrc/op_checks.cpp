@@ -38,8 +38,8 @@ CacheGeometry check_kv_cache(const at::Tensor& kv_cache, const SlotLayout& layou
   }
   CacheGeometry g;
   g.num_blocks = kv_cache.size(0);
-  g.block_size = kv_cache.size(1);
-  g.num_kv_heads = kv_cache.size(2);
+  g.block_size = static_cast<int32_t>(kv_cache.size(1));
+  g.num_kv_heads = static_cast<int32_t>(kv_cache.size(2));
   g.slot_bytes = kv_cache.size(3);
   g.stride_block = kv_cache.stride(0);
   g.stride_token = kv_cache.stride(1);

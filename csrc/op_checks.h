@@ -11,19 +11,7 @@
 
 namespace turboquant {
 
-// Paged cache geometry; strides in bytes (elements of a uint8 tensor). The cache is indexed as
-// [num_blocks, block_size, num_kv_heads, slot]; any strides for the first three dims are fine, so
-// a head-major tensor viewed in that order works too.
-struct CacheGeometry {
-  int64_t num_blocks = 0;
-  int64_t block_size = 0;
-  int64_t num_kv_heads = 0;
-  int64_t slot_bytes = 0;
-  int64_t stride_block = 0;
-  int64_t stride_token = 0;
-  int64_t stride_head = 0;
-  int64_t span_bytes = 0;  // bytes from data_ptr to the end of the last slot
-};
+using CacheGeometry = PagedCacheGeometry;  // validated view of a kv_cache tensor
 
 struct StoreArgs {
   const Preset* preset;

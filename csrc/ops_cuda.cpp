@@ -24,14 +24,8 @@ ElementType element_type(at::ScalarType t) {
 
 CacheView cache_view(const at::Tensor& kv_cache, const CacheGeometry& g) {
   CacheView v;
+  static_cast<PagedCacheGeometry&>(v) = g;
   v.data = kv_cache.data_ptr<uint8_t>();
-  v.num_blocks = g.num_blocks;
-  v.block_size = static_cast<int>(g.block_size);
-  v.num_kv_heads = static_cast<int>(g.num_kv_heads);
-  v.stride_block = g.stride_block;
-  v.stride_token = g.stride_token;
-  v.stride_head = g.stride_head;
-  v.span_bytes = g.span_bytes;
   return v;
 }
 

@@ -13,16 +13,9 @@ namespace turboquant {
 
 enum class ElementType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2 };
 
-// The paged cache, indexed [num_blocks, block_size, num_kv_heads, slot] with byte strides.
-struct CacheView {
-  uint8_t* data = nullptr;  // 16-byte aligned (decode loads aligned 16-byte chunks)
-  int64_t num_blocks = 0;
-  int block_size = 0;
-  int num_kv_heads = 0;
-  int64_t stride_block = 0;
-  int64_t stride_token = 0;
-  int64_t stride_head = 0;
-  int64_t span_bytes = 0;  // bytes from data to the end of the last slot: loads never pass it
+// The paged cache as the kernels see it: its geometry and the base pointer.
+struct CacheView : PagedCacheGeometry {
+  uint8_t* data = nullptr;  // 16-byte aligned for decode (it copies aligned 16-byte chunks)
 };
 
 struct StoreParams {

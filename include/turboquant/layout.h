@@ -56,4 +56,17 @@ TQ_HD constexpr SlotLayout make_slot_layout(int head_dim, KeyFormat key_format, 
   return l;
 }
 
+// Geometry of a paged cache indexed [num_blocks, block_size, num_kv_heads, slot] with byte strides
+// (any strides for the first three dims, so a head-major tensor viewed in that order works too).
+struct PagedCacheGeometry {
+  int64_t num_blocks = 0;
+  int32_t block_size = 0;
+  int32_t num_kv_heads = 0;
+  int64_t slot_bytes = 0;
+  int64_t stride_block = 0;
+  int64_t stride_token = 0;
+  int64_t stride_head = 0;
+  int64_t span_bytes = 0;  // bytes from the first byte to the end of the last slot: loads never pass it
+};
+
 }  // namespace turboquant
