@@ -48,6 +48,31 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                        int(num_splits))
 
 
+def decode_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, preset: str, scale: float, num_splits: int = 0) -> torch.Tensor:
+    """Several query tokens per sequence over the packed cache (continuation chunks, speculative
+    verification, multi-turn follow-ups).
+
+    ``query [total_q, Hq, D]``; ``query_start_loc [B+1]`` int32 cumulative starts; ``seq_lens [B]``
+    count the cached tokens including the chunk's own (store the chunk first). Query token ``i`` of
+    sequence ``b`` attends causally to positions ``< seq_len_b - q_len_b + 1 + i``.
+
+    Each query token becomes one row of a single ``decode`` call with its own causal length and its
+    sequence's block-table row, so it runs on every device, traces under torch.compile and captures
+    in a CUDA graph (no host sync). It reads the chunk's KV once per query token; a kernel that
+    shares each key tile across the chunk's tokens is the planned CUDA path.
+    """
+    total_q = query.shape[0]
+    starts = query_start_loc.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    batch = q_lens.shape[0]
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens, output_size=total_q)
+    pos_in_chunk = torch.arange(total_q, device=query.device) - starts[seq_of_token]
+    token_lens = seq_lens.to(torch.int64)[seq_of_token] - q_lens[seq_of_token] + 1 + pos_in_chunk
+    return decode(query, kv_cache, block_table.index_select(0, seq_of_token).contiguous(),
+                  token_lens.clamp_min(0).to(torch.int32), preset, scale, num_splits)
+
+
 def dequantize(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, preset: str,
                dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Decodes the cache back to dense keys and values ``[B, max(seq_lens), Hkv, D]`` in ``dtype``,
@@ -74,4 +99,4 @@ def _dequantize_fake(kv_cache, block_table, seq_lens, preset, dtype):
     return (kv_cache.new_empty(shape, dtype=dtype), kv_cache.new_empty(shape, dtype=dtype))
 
 
-__all__ = ["PRESETS", "store_kv", "decode", "dequantize", "head_dim_for_slot"]
+__all__ = ["PRESETS", "store_kv", "decode", "decode_varlen", "dequantize", "head_dim_for_slot"]
