@@ -1,0 +1,105 @@
+"""A reference attention layer for one engine step's mixed batch, in plain PyTorch around the ops.
+
+Batch order follows vLLM: the first ``num_decodes`` sequences decode one token each, the rest are
+prefill chunks. For every step the layer:
+  1. stores the step's new K/V into the layer's paged cache (``slot_mapping``),
+  2. decodes the decode sequences on the packed cache (one ``decode`` call),
+  3. first prefill chunks (nothing cached before them) run SDPA, causal, on the raw K/V,
+  4. continuation chunks run ``decode_varlen`` on the packed cache when short (<=
+     ``varlen_threshold`` tokens), else dequantize the sequence and run SDPA with a causal offset.
+A layer built with ``preset=None`` keeps a plain paged bf16/fp16 cache (the boundary layers that
+``boundary_skip_layers`` selects) and runs every part with SDPA over the gathered cache.
+
+The threshold between decode_varlen and dequantize+SDPA is a placeholder (16) until it is measured
+on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cache import allocate_kv_cache
+from .ops import decode, decode_varlen, dequantize, store_kv
+
+
+@dataclass
+class StepMetadata:
+    """One engine step. ``query_start_loc [B+1]`` int32 (cumulative new tokens per sequence),
+    ``seq_lens [B]`` int32 (cached tokens including this step's), ``block_table [B, W]`` int32,
+    ``slot_mapping [T]`` (cache slot of each new token), ``num_decodes`` leading decode sequences."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+
+
+class PagedAttentionLayer:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
+                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 16):
+        self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
+        self.varlen_threshold = varlen_threshold
+        if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]
+            self.cache = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        else:
+            self.cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device)
+
+    # ---- cache access
+    def _store(self, key, value, slot_mapping):
+        if self.preset is None:
+            flat = self.cache.view(-1, *self.cache.shape[2:])
+            valid = slot_mapping >= 0
+            flat[slot_mapping[valid].long()] = torch.stack([key[valid], value[valid]], dim=1).to(self.dtype)
+        else:
+            store_kv(key, value, self.cache, slot_mapping, self.preset)
+
+    def _dense(self, block_table, seq_lens):
+        """Dense K, V [B, W * block_size, Hkv, D] for the given sequences."""
+        if self.preset is None:
+            g = self.cache[block_table.long()]  # [B, W, bs, 2, H, D]
+            g = g.flatten(1, 2)
+            return g[:, :, 0], g[:, :, 1]
+        k, v = dequantize(self.cache, block_table, seq_lens, self.preset, self.dtype)
+        return k, v
+
+    @staticmethod
+    def _sdpa(q, k, v, scale, offset):
+        """q [m, Hq, D] attends k, v [n, Hkv, D]: query i sees keys < offset + i + 1."""
+        m, n = q.shape[0], k.shape[0]
+        mask = torch.arange(n, device=q.device)[None, :] < (offset + torch.arange(m, device=q.device)[:, None] + 1)
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float().repeat_interleave(group, 0),
+                                             v.transpose(0, 1).float().repeat_interleave(group, 0), attn_mask=mask, scale=scale)
+        return out.transpose(0, 1).to(q.dtype)
+
+    def forward(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        self._store(key, value, meta.slot_mapping)
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc.tolist()
+        lens = meta.seq_lens.tolist()
+        nd = meta.num_decodes
+        if nd > 0:
+            if self.preset is None:
+                for b in range(nd):
+                    k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1])
+                    out[b] = self._sdpa(query[b:b + 1], k[0, :lens[b]], v[0, :lens[b]], scale, lens[b] - 1)[0]
+            else:
+                out[:nd] = decode(query[:nd], self.cache, meta.block_table[:nd], meta.seq_lens[:nd], self.preset, scale)
+        for b in range(nd, len(lens)):
+            s, e = starts[b], starts[b + 1]
+            q_len, cached_before = e - s, lens[b] - (e - s)
+            if cached_before == 0:  # first chunk: raw K/V, causal
+                out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale, 0)
+            elif self.preset is not None and q_len <= self.varlen_threshold:
+                loc = torch.tensor([0, q_len], dtype=torch.int32, device=query.device)
+                out[s:e] = decode_varlen(query[s:e], self.cache, meta.block_table[b:b + 1], meta.seq_lens[b:b + 1],
+                                         loc, self.preset, scale)
+            else:
+                k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1])
+                out[s:e] = self._sdpa(query[s:e], k[0, :lens[b]], v[0, :lens[b]], scale, cached_before)
+        return out
