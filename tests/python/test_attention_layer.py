@@ -62,3 +62,13 @@ def test_mixed_batch_matches_attention_over_the_cache(preset):
             sc = torch.einsum("hd,thd->ht", q[s + i].double(), kk) * 0.125
             ref = torch.einsum("ht,thd->hd", sc.softmax(-1), vv)
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)
+
+
+def test_readme_serving_example_runs():
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "serving_step.py")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "torch.Size([2, 32, 128]) torch.bfloat16" in result.stdout
