@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from timing import copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, time_us  # noqa: E402
+from timing import append_markdown, copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, time_us  # noqa: E402
 
 SHAPES = {  # (B, Hq, Hkv, L)
     "default": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (64, 32, 8, 4096), (128, 32, 8, 2048),
@@ -114,9 +114,7 @@ def main():
             us = graph_replay_us(lambda: tq.decode(q, cache, bt, sl, preset, HEAD_DIM ** -0.5))
             lines.append(f"| {b} | {preset.replace('turboquant_', '')} | {us:.1f} |")
             print(lines[-1], flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    append_markdown(a.out, lines)
 
 
 if __name__ == "__main__":

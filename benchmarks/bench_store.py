@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from timing import copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, time_us  # noqa: E402
+from timing import append_markdown, copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, time_us  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 
@@ -90,9 +90,7 @@ def main():
             us = graph_replay_us(lambda: tq.store_kv(k, k, cache, slots, preset))
             lines.append(f"| {count} | {preset.replace('turboquant_', '')} | {us:.1f} |")
             print(lines[-1], flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    append_markdown(a.out, lines)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,13 @@ def graph_replay_us(fn: Callable[[], object], reps: int = 50, replays_per_rep: i
     return time_us([graph.replay], reps=reps, calls_per_rep=replays_per_rep)
 
 
+def append_markdown(path: str | None, lines: list[str]) -> None:
+    """Appends a finished table (list of markdown lines) to `path`, if given."""
+    if path:
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth counting bytes read plus bytes written (GB/s)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
