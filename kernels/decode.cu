@@ -51,7 +51,7 @@ struct DecodeConfig {
   static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
   static constexpr int kStageBytes = 16 * kRowBytes;
-  static constexpr int kStages = D > 128 ? 2 : 3;  // cp.async ring depth per warp
+  static constexpr int kStages = D > 128 ? 2 : 3;  // TMA ring depth per warp
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
   static constexpr int kKeyWords = cdiv(kKeyChunkBytes, 4);

@@ -1,5 +1,6 @@
 // Device helpers shared by the kernels: element conversion, warp reductions, the warp-parallel
-// Walsh-Hadamard transform, and thin wrappers over PTX (mma, movmatrix, cp.async, fp8 cvt).
+// Walsh-Hadamard transform, and thin wrappers over PTX (mma, movmatrix, fp8 cvt, TMA bulk copies
+// and mbarriers).
 #pragma once
 
 #include <cuda_bf16.h>
