@@ -175,6 +175,23 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
   return a;
 }
 
+void check_dequantize_outputs(const at::Tensor& key_out, const at::Tensor& value_out, const DecodeArgs& a,
+                              const at::Tensor& kv_cache) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{key_out, "key_out"},
+                                std::pair<const at::Tensor&, const char*>{value_out, "value_out"}}) {
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == a.batch && t.size(2) == a.cache.num_kv_heads &&
+                    t.size(3) == a.layout.head_dim,
+                "turboquant: ", name, " must be [", a.batch, ", L, ", a.cache.num_kv_heads, ", ", a.layout.head_dim,
+                "], got shape ", t.sizes());
+    TORCH_CHECK(is_float_dtype(t.scalar_type()), "turboquant: ", name,
+                " must be float16, bfloat16 or float32, got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), "turboquant: ", name, " must be contiguous");
+    check_same_device(t, name, kv_cache, "kv_cache");
+  }
+  TORCH_CHECK(key_out.sizes() == value_out.sizes() && key_out.scalar_type() == value_out.scalar_type(),
+              "turboquant: key_out and value_out must have the same shape and dtype");
+}
+
 bool index_checking_enabled() {
   const char* v = std::getenv("TURBOQUANT_CHECK_INDICES");
   return v != nullptr && v[0] != '\0' && v[0] != '0';

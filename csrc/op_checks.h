@@ -43,6 +43,10 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
                                  const at::Tensor& seq_lens, const std::string& preset,
                                  at::ScalarType dtype);
 
+// Output buffers of dequantize_into: [batch, L, num_kv_heads, head_dim], contiguous, one float dtype.
+void check_dequantize_outputs(const at::Tensor& key_out, const at::Tensor& value_out, const DecodeArgs& a,
+                              const at::Tensor& kv_cache);
+
 // Checking mode (TURBOQUANT_CHECK_INDICES=1): copy indices to the host and raise on any entry
 // that points outside the cache, instead of the kernels' silent skip/mask.
 bool index_checking_enabled();

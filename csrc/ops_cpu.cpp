@@ -165,21 +165,17 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
   return out.to(query.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache,
-                                                  const at::Tensor& block_table,
-                                                  const at::Tensor& seq_lens,
-                                                  c10::string_view preset, at::ScalarType dtype) {
-  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
+void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out) {
+  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), key_out.scalar_type());
+  check_dequantize_outputs(key_out, value_out, a, kv_cache);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const int d = a.layout.head_dim;
-  const int64_t hkv = a.cache.num_kv_heads;
+  const int64_t hkv = a.cache.num_kv_heads, out_len = key_out.size(1);
   const int64_t max_context = a.max_blocks_per_seq * a.cache.block_size;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < a.batch; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-  const auto opts = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor keys = at::zeros({a.batch, max_len, hkv, d}, opts);
-  at::Tensor values = at::zeros({a.batch, max_len, hkv, d}, opts);
+  at::Tensor keys = at::zeros({a.batch, out_len, hkv, d}, at::kFloat);
+  at::Tensor values = at::zeros_like(keys);
   const Codebook* cb = key_codebook(*a.preset, d);
   const uint8_t* cache = kv_cache.data_ptr<uint8_t>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
@@ -187,20 +183,34 @@ std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache,
   float* vp = values.data_ptr<float>();
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = std::clamp<int64_t>(lens[b], 0, max_context);
+      const int64_t len = std::min(std::clamp<int64_t>(lens[b], 0, max_context), out_len);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t base = token_slot_base(a.cache, bt + b * a.max_blocks_per_seq, t);
         if (base < 0) continue;
         for (int64_t h = 0; h < hkv; ++h) {
           const uint8_t* slot = cache + base + h * a.cache.stride_head;
-          const int64_t dst = ((b * max_len + t) * hkv + h) * d;
+          const int64_t dst = ((b * out_len + t) * hkv + h) * d;
           decode_key(slot, a.layout, cb, kp + dst);
           decode_value(slot, a.layout, vp + dst);
         }
       }
     }
   });
-  return {keys.to(dtype), values.to(dtype)};
+  key_out.copy_(keys);
+  value_out.copy_(values);
+}
+
+std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                                  const at::Tensor& seq_lens, c10::string_view preset,
+                                                  at::ScalarType dtype) {
+  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.batch; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  at::Tensor keys = at::empty({a.batch, max_len, a.cache.num_kv_heads, a.layout.head_dim}, at::TensorOptions().dtype(dtype));
+  at::Tensor values = at::empty_like(keys);
+  dequantize_into_cpu(kv_cache, block_table, seq_lens, preset, keys, values);
+  return {keys, values};
 }
 
 }  // namespace
@@ -209,6 +219,7 @@ TORCH_LIBRARY_IMPL(turboquant, CPU, m) {
   m.impl("store_kv", &store_kv_cpu);
   m.impl("decode", &decode_cpu);
   m.impl("dequantize", &dequantize_cpu);
+  m.impl("dequantize_into", &dequantize_into_cpu);
 }
 
 }  // namespace turboquant

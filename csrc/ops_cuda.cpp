@@ -106,30 +106,39 @@ at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, cons
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> dequantize_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                                   const at::Tensor& seq_lens, c10::string_view preset,
-                                                   at::ScalarType dtype) {
-  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
+void dequantize_into_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                          c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out) {
+  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), key_out.scalar_type());
+  check_dequantize_outputs(key_out, value_out, a, kv_cache);
   check_cuda_head_dim(a.layout);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const c10::cuda::CUDAGuard guard(kv_cache.device());
-  const int64_t max_len = a.batch > 0 ? std::max<int64_t>(seq_lens.max().item<int32_t>(), 0) : 0;
-  const auto opts = kv_cache.options().dtype(dtype);
-  at::Tensor keys = at::zeros({a.batch, max_len, a.cache.num_kv_heads, a.layout.head_dim}, opts);
-  at::Tensor values = at::zeros_like(keys);
+  key_out.zero_();  // zeros past each length; the kernel writes the tokens that exist
+  value_out.zero_();
   DequantizeParams p;
   p.cache = cache_view(kv_cache, a.cache);
   p.block_table = block_table.data_ptr<int32_t>();
   p.max_blocks_per_seq = static_cast<int>(a.max_blocks_per_seq);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.batch = static_cast<int>(a.batch);
-  p.max_seq_len = static_cast<int>(max_len);
-  p.key_out = keys.data_ptr();
-  p.value_out = values.data_ptr();
-  p.dtype = element_type(dtype);
+  p.max_seq_len = static_cast<int>(key_out.size(1));
+  p.key_out = key_out.data_ptr();
+  p.value_out = value_out.data_ptr();
+  p.dtype = element_type(key_out.scalar_type());
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   check_launch(launch_dequantize(p, c10::cuda::getCurrentCUDAStream()), "dequantize");
+}
+
+std::tuple<at::Tensor, at::Tensor> dequantize_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                                   const at::Tensor& seq_lens, c10::string_view preset,
+                                                   at::ScalarType dtype) {
+  const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
+  // The output shape depends on the lengths: one host sync (dequantize_into avoids it).
+  const int64_t max_len = a.batch > 0 ? std::max<int64_t>(seq_lens.max().item<int32_t>(), 0) : 0;
+  at::Tensor keys = at::empty({a.batch, max_len, a.cache.num_kv_heads, a.layout.head_dim}, kv_cache.options().dtype(dtype));
+  at::Tensor values = at::empty_like(keys);
+  dequantize_into_cuda(kv_cache, block_table, seq_lens, preset, keys, values);
   return {keys, values};
 }
 
@@ -139,6 +148,7 @@ TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
   m.impl("store_kv", &store_kv_cuda);
   m.impl("decode", &decode_cuda);
   m.impl("dequantize", &dequantize_cuda);
+  m.impl("dequantize_into", &dequantize_into_cuda);
 }
 
 }  // namespace turboquant

@@ -12,4 +12,9 @@ TORCH_LIBRARY(turboquant, m) {
   m.def(
       "dequantize(Tensor kv_cache, Tensor block_table, Tensor seq_lens, str preset, "
       "ScalarType dtype) -> (Tensor, Tensor)");
+  // Same as dequantize, into caller-provided [B, L, Hkv, D] buffers (zeros past each length;
+  // positions >= L are not written), so a serving stack can reserve them once.
+  m.def(
+      "dequantize_into(Tensor kv_cache, Tensor block_table, Tensor seq_lens, str preset, "
+      "Tensor(a!) key_out, Tensor(b!) value_out) -> ()");
 }

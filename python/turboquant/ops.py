@@ -80,9 +80,21 @@ def dequantize(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torc
     return torch.ops.turboquant.dequantize(kv_cache, block_table, seq_lens, preset, dtype)
 
 
+def dequantize_into(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, preset: str,
+                    key_out: torch.Tensor, value_out: torch.Tensor) -> None:
+    """``dequantize`` into caller-provided ``[B, L, Hkv, D]`` buffers (reserve them once): zeros
+    past each sequence's length, positions ``>= L`` not written. No host sync on CUDA."""
+    torch.ops.turboquant.dequantize_into(kv_cache, block_table, seq_lens, preset, key_out, value_out)
+
+
 # ---- fake implementations, so the ops trace under torch.compile / FakeTensor ------------------
 @torch.library.register_fake("turboquant::store_kv")
 def _store_kv_fake(key, value, kv_cache, slot_mapping, preset):
+    return None
+
+
+@torch.library.register_fake("turboquant::dequantize_into")
+def _dequantize_into_fake(kv_cache, block_table, seq_lens, preset, key_out, value_out):
     return None
 
 
@@ -99,4 +111,4 @@ def _dequantize_fake(kv_cache, block_table, seq_lens, preset, dtype):
     return (kv_cache.new_empty(shape, dtype=dtype), kv_cache.new_empty(shape, dtype=dtype))
 
 
-__all__ = ["PRESETS", "store_kv", "decode", "decode_varlen", "dequantize", "head_dim_for_slot"]
+__all__ = ["PRESETS", "store_kv", "decode", "decode_varlen", "dequantize", "dequantize_into", "head_dim_for_slot"]

@@ -26,6 +26,8 @@ def test_opcheck_store_decode_dequantize():
     torch.library.opcheck(torch.ops.turboquant.decode.default, (q, cache, bt, sl, P, 0.125, 2))
     torch.library.opcheck(torch.ops.turboquant.dequantize.default, (cache, bt, sl, P, torch.float32),
                           test_utils=("test_schema", "test_faketensor"))
+    out = torch.empty(2, 24, 2, 64)
+    torch.library.opcheck(torch.ops.turboquant.dequantize_into.default, (cache, bt, sl, P, out, torch.empty_like(out)))
 
 
 def test_compile_fullgraph_store_then_decode():

@@ -248,3 +248,14 @@ def test_edge_values_store_like_cpu_and_stay_confined(preset):
     out = tq.decode(torch.randn(2, 8, 128, device="cuda", dtype=torch.float16), gpu, bt,
                     torch.tensor([64, 64], dtype=torch.int32, device="cuda"), preset, 0.1)
     assert not torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
+
+
+def test_dequantize_into_matches_cpu():
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([33, 0, 70], 32, 2, 128, preset)
+    kc, vc = tq.dequantize(cache, bt, sl, preset, torch.bfloat16)
+    key_out = torch.full((3, 80, 2, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    value_out = torch.full_like(key_out, float("nan"))
+    tq.dequantize_into(cache.cuda(), bt.cuda(), sl.cuda(), preset, key_out, value_out)
+    assert (key_out[:, 70:] == 0).all()
+    assert rel_err(key_out[:, :70].cpu(), kc) <= 1e-2 and rel_err(value_out[:, :70].cpu(), vc) <= 1e-2

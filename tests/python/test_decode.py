@@ -82,3 +82,20 @@ def test_quantized_attention_is_close_to_unquantized():
         errs[preset] = rel_err(out, attention_reference(q, keys, values, sl, 128 ** -0.5))
     assert errs["turboquant_k8v4"] < errs["turboquant_k3v4_nc"] < errs["turboquant_3bit_nc"] < 0.3
     assert errs["turboquant_4bit_nc"] < errs["turboquant_k3v4_nc"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_into_caller_buffers(dtype):
+    preset = "turboquant_3bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([30, 0, 12], 16, 2, 64, preset)
+    k, v = tq.dequantize(cache, bt, sl, preset, dtype)
+    key_out = torch.full((3, 40, 2, 64), float("nan"), dtype=dtype)  # poisoned, longer than needed
+    value_out = torch.full_like(key_out, float("nan"))
+    tq.dequantize_into(cache, bt, sl, preset, key_out, value_out)
+    assert torch.equal(key_out[:, :30], k) and torch.equal(value_out[:, :30], v)
+    assert (key_out[:, 30:] == 0).all() and (value_out[:, 30:] == 0).all()
+    short = torch.empty(3, 8, 2, 64, dtype=dtype)
+    tq.dequantize_into(cache, bt, sl, preset, short, torch.empty_like(short))  # positions >= L are skipped
+    assert torch.equal(short, k[:, :8])
+    with pytest.raises(RuntimeError, match=r"key_out must be \[3, L, 2, 64\]"):
+        tq.dequantize_into(cache, bt, sl, preset, torch.empty(3, 8, 2, 32), torch.empty(3, 8, 2, 32))
