@@ -12,6 +12,7 @@ ensure_python_deps() {
   "$PYTHON" -c "import pybind11" >/dev/null 2>&1 || missing+=(pybind11)
   "$PYTHON" -c "import pytest" >/dev/null 2>&1 || missing+=(pytest)
   "$PYTHON" -c "import numpy" >/dev/null 2>&1 || missing+=(numpy)
+  "$PYTHON" -c "import matplotlib" >/dev/null 2>&1 || missing+=(matplotlib)  # report plots
   command -v ninja >/dev/null 2>&1 || missing+=(ninja)
   command -v cmake >/dev/null 2>&1 || missing+=(cmake)
   if [ ${#missing[@]} -gt 0 ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, run every test (CUDA included), the benchmarks,
 # and print a short table last. Logs and tables go to $OUT (or ./gpu_out).
-#   bash scripts/gpu_run.sh [tests|bench|profile|all] [pytest -k expression]
+#   bash scripts/gpu_run.sh [tests|bench|speed|profile|all] [pytest -k expression]
 # A cold H200 call costs ~2 minutes of device time before the command starts: do it all in one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
+fi
+if [ "$what" = speed ]; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
+  timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.base.md"; tail -40 "$OUT/RESULTS.md"
 fi
 if [ "$what" = profile ]; then
   timeout 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 \
