@@ -28,8 +28,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   echo; cat "$OUT/results.md"
 fi
 if [ "$what" = speed ]; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
-  cp benchmarks/RESULTS.md "$OUT/RESULTS.base.md"; tail -40 "$OUT/RESULTS.md"
+  tail -40 "$OUT/RESULTS.md"
 fi
 if [ "$what" = profile ]; then
   timeout 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 \
