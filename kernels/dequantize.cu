@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "device_utils.cuh"
+#include "dispatch.cuh"
 #include "launchers.h"
 #include "turboquant/numeric.h"
 #include "turboquant/packing.h"
@@ -63,38 +64,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) dequantize_kernel(const D
   }
 }
 
-template <typename T, int D, bool kFp8Key>
-cudaError_t launch_typed(const DequantizeParams& p, cudaStream_t stream) {
-  const int64_t items = static_cast<int64_t>(p.batch) * p.max_seq_len * p.cache.num_kv_heads;
-  if (items == 0) return cudaSuccess;
-  const int64_t blocks = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  dequantize_kernel<T, D, kFp8Key><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-      p, 1.0f / sqrtf(static_cast<float>(D)));
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t launch_dtype(const DequantizeParams& p, cudaStream_t stream) {
-  const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
-  switch (p.layout.head_dim) {
-    case 64: return fp8 ? launch_typed<T, 64, true>(p, stream) : launch_typed<T, 64, false>(p, stream);
-    case 96: return fp8 ? launch_typed<T, 96, true>(p, stream) : cudaErrorInvalidValue;
-    case 128: return fp8 ? launch_typed<T, 128, true>(p, stream) : launch_typed<T, 128, false>(p, stream);
-    case 256: return fp8 ? launch_typed<T, 256, true>(p, stream) : launch_typed<T, 256, false>(p, stream);
-    default: return cudaErrorInvalidValue;
+struct DequantizeLaunch {
+  const DequantizeParams& p;
+  cudaStream_t stream;
+  template <typename T, int D, bool kFp8Key>
+  cudaError_t run() const {
+    const int64_t items = static_cast<int64_t>(p.batch) * p.max_seq_len * p.cache.num_kv_heads;
+    if (items == 0) return cudaSuccess;
+    const int64_t blocks = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    dequantize_kernel<T, D, kFp8Key><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+        p, 1.0f / sqrtf(static_cast<float>(D)));
+    return cudaGetLastError();
   }
-}
+};
 
 }  // namespace
 
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case ElementType::kHalf: return launch_dtype<__half>(p, stream);
-    case ElementType::kBFloat16: return launch_dtype<__nv_bfloat16>(p, stream);
-    case ElementType::kFloat: return launch_dtype<float>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_slot_kernel(p.dtype, p.layout, DequantizeLaunch{p, stream});
 }
 
 }  // namespace turboquant

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "device_utils.cuh"
+#include "dispatch.cuh"
 #include "launchers.h"
 #include "turboquant/numeric.h"
 #include "turboquant/packing.h"
@@ -135,27 +136,19 @@ __global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
   for (int w = lane; w < L.slot_size_aligned / 2; w += 32) dst[w] = src[w];
 }
 
-template <typename T, int D, bool kFp8Key>
-cudaError_t launch_store_typed(const StoreParams& p, cudaStream_t stream) {
-  const int64_t items = p.num_tokens * p.cache.num_kv_heads;
-  if (items == 0) return cudaSuccess;
-  const int64_t blocks = (items + kStoreWarpsPerBlock - 1) / kStoreWarpsPerBlock;
-  const float rsqrt_d = 1.0f / sqrtf(static_cast<float>(D));  // same expression as the CPU
-  store_kv_kernel<T, D, kFp8Key><<<static_cast<unsigned>(blocks), kStoreWarpsPerBlock * 32, 0, stream>>>(p, rsqrt_d);
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t launch_store_dtype(const StoreParams& p, cudaStream_t stream) {
-  const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
-  switch (p.layout.head_dim) {
-    case 64: return fp8 ? launch_store_typed<T, 64, true>(p, stream) : launch_store_typed<T, 64, false>(p, stream);
-    case 96: return fp8 ? launch_store_typed<T, 96, true>(p, stream) : cudaErrorInvalidValue;
-    case 128: return fp8 ? launch_store_typed<T, 128, true>(p, stream) : launch_store_typed<T, 128, false>(p, stream);
-    case 256: return fp8 ? launch_store_typed<T, 256, true>(p, stream) : launch_store_typed<T, 256, false>(p, stream);
-    default: return cudaErrorInvalidValue;
+struct StoreLaunch {
+  const StoreParams& p;
+  cudaStream_t stream;
+  template <typename T, int D, bool kFp8Key>
+  cudaError_t run() const {
+    const int64_t items = p.num_tokens * p.cache.num_kv_heads;
+    if (items == 0) return cudaSuccess;
+    const int64_t blocks = (items + kStoreWarpsPerBlock - 1) / kStoreWarpsPerBlock;
+    const float rsqrt_d = 1.0f / sqrtf(static_cast<float>(D));  // same expression as the CPU
+    store_kv_kernel<T, D, kFp8Key><<<static_cast<unsigned>(blocks), kStoreWarpsPerBlock * 32, 0, stream>>>(p, rsqrt_d);
+    return cudaGetLastError();
   }
-}
+};
 
 }  // namespace
 
@@ -166,12 +159,7 @@ bool cuda_supports_head_dim(const SlotLayout& layout) {
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
   if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case ElementType::kHalf: return launch_store_dtype<__half>(p, stream);
-    case ElementType::kBFloat16: return launch_store_dtype<__nv_bfloat16>(p, stream);
-    case ElementType::kFloat: return launch_store_dtype<float>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_slot_kernel(p.dtype, p.layout, StoreLaunch{p, stream});
 }
 
 }  // namespace turboquant
