@@ -1,41 +1,76 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build for sm_90, run every test (CUDA included), the benchmarks,
-# and print a short table last. Logs and tables go to $OUT (or ./gpu_out).
-#   bash scripts/gpu_run.sh [tests|bench|speed|profile|all] [pytest -k expression]
-# A cold H200 call costs ~2 minutes of device time before the command starts: do it all in one.
+# One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
+# Logs and tables go to $OUT (or ./gpu_out).
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench speed profile probe diagnose sanitize
+#   bash scripts/gpu_run.sh all               = tests bench
+# TESTS_K narrows the pytest run (-k expression). A cold H200 call costs ~2 minutes of device time
+# before the command starts: ask for everything in one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-what=${1:-all}
+steps="${*:-all}"
+steps="${steps/all/tests bench}"
 export CUDA_ARCHS=90 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 source scripts/common.sh
 ensure_python_deps
+has() { [[ " $steps " == *" $1 "* ]]; }
 start=$(date +%s)
+if has probe; then  # standalone, no torch: compile it while the library builds
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/paged_read_probe.cu -o "$OUT/probe.bin" > "$OUT/probe_build.log" 2>&1 &
+fi
 build_turboquant > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+wait
 echo "== built in $(( $(date +%s) - start )) s"
 status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if has probe; then
+  echo "== paged read probe (data movement only)"; "$OUT/probe.bin" | tee "$OUT/probe.md" || status=1
+fi
+if has diagnose; then
+  echo "== decode knobs"; timeout 240 "$PYTHON" benchmarks/diagnose_decode.py 2>&1 | tee "$OUT/diagnose.md" || status=1
+fi
+if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
+  sanitize() {
+    local tool=$1 k=$2
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=python timeout 420 compute-sanitizer --tool "$tool" \
+      --error-exitcode 9 --print-limit 30 "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider \
+      -k "$k" > "$OUT/sanitize_$tool.log" 2>&1
+    echo "$tool exit=$?" >> "$OUT/sanitize_$tool.log"
+  }
+  small="(decode_matches_cpu and 128 and not 16) or (store_matches_cpu_bytes and bfloat16) or dequantize or masked"
+  sanitize memcheck "out_of_range_indices or $small or edge_values or graph_capture" &
+  sanitize racecheck "$small" &
+  sanitize synccheck "$small" &
+fi
+if has tests; then
   ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
-  PYTHONPATH=python timeout 420 "$PYTHON" -m pytest tests/python -q -rs -n 12 ${2:+-k "$2"} > "$OUT/pytest.log" 2>&1 || status=1
+  PYTHONPATH=python timeout 420 "$PYTHON" -m pytest tests/python -q -rs -n 12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   tail -15 "$OUT/pytest.log"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has sanitize; then
+  wait
+  for t in memcheck racecheck synccheck; do
+    echo "== compute-sanitizer $t: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$t.log" | tail -1) | $(grep -E 'passed|failed' "$OUT/sanitize_$t.log" | tail -1) | $(tail -1 "$OUT/sanitize_$t.log")"
+    grep -q "exit=0" "$OUT/sanitize_$t.log" || status=1
+  done
+fi
+if has bench; then
   rm -f "$OUT/results.md"
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
 fi
-if [ "$what" = speed ]; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
+if has speed; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
   tail -40 "$OUT/RESULTS.md"
 fi
-if [ "$what" = profile ]; then
+if has profile; then
   timeout 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
     "$PYTHON" benchmarks/profile_decode.py > "$OUT/ncu.txt" 2>&1 || status=1
   grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued)" "$OUT/ncu.txt"
 fi
+echo "== done in $(( $(date +%s) - start )) s"
 exit $status

@@ -259,3 +259,31 @@ def test_dequantize_into_matches_cpu():
     tq.dequantize_into(cache.cuda(), bt.cuda(), sl.cuda(), preset, key_out, value_out)
     assert (key_out[:, 70:] == 0).all()
     assert rel_err(key_out[:, :70].cpu(), kc) <= 1e-2 and rel_err(value_out[:, :70].cpu(), vc) <= 1e-2
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_out_of_range_indices_touch_nothing_on_cuda(preset):
+    """Slots past the cache, negative or huge block ids and seq_lens past the block table: the
+    CUDA ops write nothing outside the valid slots and agree with the CPU masking. This is the
+    test scripts/gpu_run.sh runs under compute-sanitizer memcheck (exact-size allocations)."""
+    cache, bt, sl, _, _ = make_paged_batch([40, 25], 16, 2, 128, preset, extra_blocks=1)
+    num_slots = cache.shape[0] * cache.shape[1]
+    gpu = cache.cuda()
+    before = gpu.clone()
+    key = torch.randn(4, 2, 128, device="cuda", dtype=torch.float16)
+    for bad in (num_slots, num_slots + 17, 1 << 40, -1):
+        tq.store_kv(key[:1], key[:1], gpu, torch.tensor([bad], device="cuda"), preset)
+    assert torch.equal(gpu, before)
+    bad_bt = torch.cat([bt, torch.tensor([[-3], [1 << 30]], dtype=torch.int32)], dim=1)
+    bad_bt[1, 0] = cache.shape[0]  # one past the last block
+    for splits in (1, 3):
+        q = torch.randn(2, 8, 128)
+        ref = tq.decode(q, cache, bad_bt, torch.tensor([10_000, 60], dtype=torch.int32), preset, 0.1, splits)
+        out = tq.decode(q.cuda().half(), gpu, bad_bt.cuda(), torch.tensor([10_000, 60], dtype=torch.int32, device="cuda"),
+                        preset, 0.1, splits)
+        assert rel_err(out.cpu().float(), ref) <= 2e-3
+    kc, vc = tq.dequantize(cache, bad_bt, torch.tensor([10_000, 60], dtype=torch.int32), preset, torch.float32)
+    kg, vg = tq.dequantize(gpu, bad_bt.cuda(), torch.tensor([10_000, 60], dtype=torch.int32, device="cuda"), preset,
+                           torch.float32)
+    assert rel_err(kg.cpu(), kc) <= 1e-6 and rel_err(vg.cpu(), vc) <= 1e-6
+    assert torch.equal(gpu, before)
