@@ -93,7 +93,7 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
   const int splits = num_splits > 0 ? static_cast<int>(num_splits)
                                     : default_num_splits(static_cast<int>(a.batch),
                                                          static_cast<int>(hkv), static_cast<int>(max_context),
-                                                         /*num_sms=*/8);
+                                                         /*resident_ctas=*/32);
   const Codebook* cb = key_codebook(*a.preset, d);
   const bool rotated = a.preset->key_format == KeyFormat::kLloydMax;
   const float rsqrt_d = 1.0f / std::sqrt(static_cast<float>(d));

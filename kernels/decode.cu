@@ -3,12 +3,14 @@
 // One CTA (8 warps) per (sequence, KV head, split) serves all query heads of the GQA group (up
 // to 8; larger groups take several CTAs), so each packed byte is read from HBM once. Per warp and
 // 16-token tile:
-//   * TMA bulk copies bring the tile's 16 slots (the aligned 16-byte chunks around each
-//     2-byte-aligned slot, one copy per token) into a per-warp shared-memory ring, completing
-//     on one mbarrier per stage;
+//   * 16-byte cp.async copies bring the tile's 16 slots (the aligned 16-byte chunks around each
+//     2-byte-aligned slot; two lanes per token row) into a per-warp shared-memory ring of
+//     kStages tiles. Block ids are loaded 32 tiles ahead, one per lane, so issuing a tile never
+//     waits on the block table;
 //   * S^T = K~ Q^T on tensor cores (mma m16n8k16: tokens are the M dimension, heads the N), with
 //     A fragments dequantized straight into registers: a pair of Lloyd-Max indices indexes a
-//     bank-replicated half2 table, FP8 pairs use the hardware e4m3x2 -> f16x2 conversion. The
+//     bank-replicated half2 table (addressed in bytes, two ALU ops per lookup), FP8 pairs use the
+//     hardware e4m3x2 -> f16x2 conversion. The
 //     head dim is permuted so that each thread reads one contiguous chunk of the slot; the query
 //     fragments (rotated once per CTA by an FWHT in shared memory) use the same permutation;
 //   * scores times the stored norm, online softmax in the log2 domain;
@@ -51,7 +53,7 @@ struct DecodeConfig {
   static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
   static constexpr int kStageBytes = 16 * kRowBytes;
-  static constexpr int kStages = D > 128 ? 2 : 3;  // TMA ring depth per warp
+  static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
   static constexpr int kKeyWords = cdiv(kKeyChunkBytes, 4);
@@ -66,12 +68,33 @@ struct DecodeConfig {
   static constexpr int kScratchBytes =
       cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes)), 16) * 16;
   static constexpr int kShiftBytes = kWarps * kStages * 16 * 2;
-  static constexpr int kBarrierBytes = kWarps * kStages * 8;  // one mbarrier per warp and stage
-  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + kShiftBytes + kBarrierBytes;
+  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + kShiftBytes;
 };
 
 __device__ __forceinline__ float load_half(const uint8_t* p) {
   return half_bits_to_float(*reinterpret_cast<const uint16_t*>(p));
+}
+
+// 2^x with flush-to-zero (one MUFU op; exp2f adds a denormal fix-up around it). 2^-inf = 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of this lane's copy of pair-table entry `pair` (word pair * 32 + lane), where
+// `pair` is the `width`-bit field at bit `bit` of the little-endian stream `w`: the field is
+// shifted straight to bit 7 (no separate extract, scale and add), then the lane's bank is or-ed in.
+template <int NW>
+__device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], int bit, int width, uint32_t lane_bytes) {
+  const int word = bit >> 5, shift = bit & 31;
+  uint32_t x;
+  if (shift + width <= 32) {
+    x = shift >= 7 ? w[word] >> (shift - 7) : w[word] << (7 - shift);
+  } else {  // straddles two words; then shift > 32 - width >= 24, so shift - 7 > 0
+    x = __funnelshift_r(w[word], w[word + 1], shift - 7);
+  }
+  return (x & (((1u << width) - 1u) << 7)) | lane_bytes;
 }
 
 template <class C, typename T>
@@ -83,7 +106,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   uint8_t* scratch = smem;
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
   int16_t* shifts = reinterpret_cast<int16_t*>(smem + C::kScratchBytes + C::kPairTableWords * 4);
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + C::kScratchBytes + C::kPairTableWords * 4 + C::kShiftBytes);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
@@ -109,8 +131,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       pair_table[i] = pack_half2(p.codebook.centroid[pair & mask], p.codebook.centroid[pair >> C::KB]);
     }
   }
-  if (threadIdx.x < kWarps * C::kStages) mbarrier_init(barriers + threadIdx.x, 1);
-  fence_mbarrier_init();
   __syncthreads();
   if constexpr (!C::kFp8Key) {
     for (int h = 1; h < D; h <<= 1) {  // same butterflies as fwht_inplace, one row per head
@@ -133,7 +153,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     qf[j][0] = pack_half2(r[0] * q_multiplier, r[1] * q_multiplier);
     qf[j][1] = pack_half2(r[2] * q_multiplier, r[3] * q_multiplier);
   }
-  fence_proxy_async_shared();  // generic qs accesses before TMA writes the ring
   __syncthreads();  // the ring reuses qs
 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
@@ -143,29 +162,48 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   int16_t* my_shifts = shifts + warp * C::kStages * 16;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
-  const uint32_t* lane_table = pair_table + lane;  // this lane's bank of the replicated table
+  const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
+  const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
+  const uint32_t lane_bytes = lane * 4u;  // this lane's bank of the replicated table
 
-  auto issue_tile = [&](int local_tile, int stage) {
-    const int t0 = range.begin + (warp + local_tile * kWarps) * kTokenTile;
-    const int64_t block = block_row[t0 / block_size];  // a tile never straddles blocks
-    const bool block_ok = block >= 0 && block < p.cache.num_blocks;
-    const int64_t tile_base = block * p.cache.stride_block + static_cast<int64_t>(t0 % block_size) * p.cache.stride_token + head_offset;
-    uint8_t* dst_stage = ring + stage * C::kStageBytes;
+  // Block ids, 32 tiles per window: lane i holds the block of local tile 32 * window + i. The
+  // next window is loaded when the current one starts, so its latency hides behind 32 tiles.
+  auto load_block_ids = [&](int window) -> int {
+    const int local = window * 32 + lane;
+    if (local >= my_tiles) return -1;
+    return block_row[(range.begin + (warp + local * kWarps) * kTokenTile) >> block_shift];
+  };
+  int block_ids = load_block_ids(0), next_block_ids = load_block_ids(1);
+
+  // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the aligned
+  // 16-byte chunks around the slot. Every lane commits one cp.async group per tile (empty or
+  // not), so "all but the newest kStages - 1 groups" is always "this tile and older".
+  auto issue_tile = [&](int local_tile, int dst_stage) {
+    if ((local_tile & 31) == 0 && local_tile > 0) {  // warp-uniform: a new window of block ids
+      block_ids = next_block_ids;
+      next_block_ids = load_block_ids((local_tile >> 5) + 1);
+    }
+    const int64_t block = __shfl_sync(kFullMask, block_ids, local_tile & 31);
+    const int t0 = range.begin + (warp + local_tile * kWarps) * kTokenTile;  // a tile never straddles blocks
     const int r = lane & 15;
-    const bool row_ok = lane < 16 && block_ok && t0 + r < range.end;
-    const int64_t slot = tile_base + r * p.cache.stride_token;
-    const int64_t first = slot & ~int64_t(15);  // the aligned 16-byte chunks around the slot
-    // One TMA bulk copy per token row (the host guarantees span_bytes is a multiple of 16).
-    const int64_t left = p.cache.span_bytes - first;
-    const uint32_t bytes = row_ok ? static_cast<uint32_t>(left < C::kChunks * 16 ? left : C::kChunks * 16) : 0u;
-    uint32_t total = bytes;
+    const bool row_ok = block >= 0 && block < p.cache.num_blocks && t0 + r < range.end;
+    const int64_t slot = block * p.cache.stride_block +
+                         static_cast<int64_t>((t0 & (block_size - 1)) + r) * p.cache.stride_token + head_offset;
+    const int64_t first = slot & ~int64_t(15);
+    if (row_ok) {
+      // The host guarantees span_bytes is a multiple of 16: a chunk is wholly inside or out.
+      const int64_t left = (p.cache.span_bytes - first) >> 4;
+      const int chunks = left < C::kChunks ? static_cast<int>(left) : C::kChunks;
+      const uint8_t* src = p.cache.data + first;
+      uint8_t* dst = ring + dst_stage * C::kStageBytes + r * C::kRowBytes;
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
-    uint64_t* barrier = barriers + warp * C::kStages + stage;
-    if (lane == 0) mbarrier_arrive_expect_tx(barrier, total);
-    __syncwarp();
-    if (bytes > 0) bulk_copy_to_shared(dst_stage + r * C::kRowBytes, p.cache.data + first, bytes, barrier);
-    if (lane < 16) my_shifts[stage * 16 + r] = row_ok ? static_cast<int16_t>(slot & 15) : int16_t(-1);
+      for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
+        const int chunk = (lane >> 4) + 2 * k;
+        if (chunk < chunks) cp_async_16(dst + 16 * chunk, src + 16 * chunk);
+      }
+    }
+    cp_async_commit();
+    if (lane < 16) my_shifts[dst_stage * 16 + r] = row_ok ? static_cast<int16_t>(slot & 15) : int16_t(-1);
   };
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
@@ -178,14 +216,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < my_tiles) issue_tile(s, s);
+    else cp_async_commit();
   }
+  int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
   for (int it = 0; it < my_tiles; ++it) {
     const int next = it + C::kStages - 1;
-    if (next < my_tiles) issue_tile(next, next % C::kStages);
-    mbarrier_wait_parity(barriers + warp * C::kStages + it % C::kStages, (it / C::kStages) & 1);
-    __syncwarp();  // the row shifts written by lanes 0-15
+    if (next < my_tiles) issue_tile(next, next_stage);
+    else cp_async_commit();
+    next_stage = next_stage == C::kStages - 1 ? 0 : next_stage + 1;
+    cp_async_wait<C::kStages - 1>();  // this lane's copies of tile `it` have landed
+    __syncwarp();  // ... and every lane's, with the row shifts written by lanes 0-15
 
-    const int stage = it % C::kStages;
     const uint8_t* rows = ring + stage * C::kStageBytes;
     const int16_t* sh = my_shifts + stage * 16;
     auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + max(static_cast<int>(sh[r]), 0); };
@@ -197,7 +238,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     uint32_t key_lo[C::kKeyWords], key_hi[C::kKeyWords];
     load_unaligned_words(slot_lo + c * C::kKeyChunkBytes, key_lo);
     load_unaligned_words(slot_hi + c * C::kKeyChunkBytes, key_hi);
-    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Two accumulators halve the chain of dependent MMAs.
+    float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    auto lookup = [&](const uint32_t (&w)[C::kKeyWords], int bit) {
+      return *reinterpret_cast<const uint32_t*>(table_bytes + pair_entry_offset(w, bit, 2 * C::KB, lane_bytes));
+    };
 #pragma unroll
     for (int j = 0; j < C::kKSteps; ++j) {
       uint32_t a0, a1, a2, a3;
@@ -207,13 +252,16 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
         a1 = fp8x2_to_half2(extract_bits(key_hi, 32 * j, 16));
         a3 = fp8x2_to_half2(extract_bits(key_hi, 32 * j + 16, 16));
       } else {
-        a0 = lane_table[extract_bits(key_lo, 4 * j * C::KB, 2 * C::KB) << 5];
-        a2 = lane_table[extract_bits(key_lo, (4 * j + 2) * C::KB, 2 * C::KB) << 5];
-        a1 = lane_table[extract_bits(key_hi, 4 * j * C::KB, 2 * C::KB) << 5];
-        a3 = lane_table[extract_bits(key_hi, (4 * j + 2) * C::KB, 2 * C::KB) << 5];
+        a0 = lookup(key_lo, 4 * j * C::KB);
+        a2 = lookup(key_lo, (4 * j + 2) * C::KB);
+        a1 = lookup(key_hi, 4 * j * C::KB);
+        a3 = lookup(key_hi, (4 * j + 2) * C::KB);
       }
-      mma_16816(sc, a0, a1, a2, a3, qf[j][0], qf[j][1]);
+      mma_16816(j % 2 == 0 ? sc_even : sc_odd, a0, a1, a2, a3, qf[j][0], qf[j][1]);
     }
+    float sc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[i] = sc_even[i] + sc_odd[i];
     float norm_lo = 1.0f, norm_hi = 1.0f;
     if constexpr (!C::kFp8Key) {
       norm_lo = load_half(slot_lo + C::kLayout.key_norm_offset);
@@ -234,9 +282,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     }
     const float m0 = fmaxf(m[0], t0), m1 = fmaxf(m[1], t1);
     const float base0 = m0 == -INFINITY ? 0.0f : m0, base1 = m1 == -INFINITY ? 0.0f : m1;
-    const float alpha0 = exp2f(m[0] - base0), alpha1 = exp2f(m[1] - base1);
-    const float p0 = exp2f(s0 - base0), p1 = exp2f(s1 - base1);
-    const float p2 = exp2f(s2 - base0), p3 = exp2f(s3 - base1);
+    const float alpha0 = exp2_ftz(m[0] - base0), alpha1 = exp2_ftz(m[1] - base1);
+    const float p0 = exp2_ftz(s0 - base0), p1 = exp2_ftz(s1 - base1);
+    const float p2 = exp2_ftz(s2 - base0), p3 = exp2_ftz(s3 - base1);
     m[0] = m0;
     m[1] = m1;
     l[0] = l[0] * alpha0 + (p0 + p2);
@@ -277,10 +325,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
         const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
         const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel);
         const uint32_t x23 = __byte_perm(vw[2][w], vw[3][w], sel);
-        a0 = nibbles_to_half2(x01);
-        a1 = nibbles_to_half2(x01 >> 4);
-        a2 = nibbles_to_half2(x23);
-        a3 = nibbles_to_half2(x23 >> 4);
+        a0 = low_nibbles_to_half2(x01);
+        a1 = high_nibbles_to_half2(x01);
+        a2 = low_nibbles_to_half2(x23);
+        a3 = high_nibbles_to_half2(x23);
       } else {
         const int d0 = 2 * i * C::VB, d1 = (2 * i + 1) * C::VB;
         a0 = codes_to_half2(extract_bits(vw[0], d0, C::VB), extract_bits(vw[1], d0, C::VB));
@@ -290,9 +338,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       }
       mma_16816(acc[i], a0, a1, a2, a3, pb0, pb1);
     }
-    // This stage is refilled by the next iteration: every lane's reads of it have completed (their
-    // values fed the MMAs above) before the barrier below, as in CUTLASS's TMA pipelines.
+    // The next iteration refills this stage: every lane's reads of it are done before that.
     __syncwarp();
+    stage = stage == C::kStages - 1 ? 0 : stage + 1;
   }
 
   // ---- combine the warps
@@ -390,42 +438,81 @@ int head_chunks_of(const DecodeParams& p) {
   return cdiv(p.num_q_heads / p.cache.num_kv_heads, kHeads);
 }
 
+// Once per instantiation (and process): opt in to the shared memory it needs.
 template <class C, typename T>
-cudaError_t launch_decode_typed(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = decode_kernel<C, T>;
-  static const cudaError_t attribute_status =  // once per instantiation (and process)
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  cudaError_t err = attribute_status;
-  if (err != cudaSuccess) return err;
-  const int head_chunks = head_chunks_of(p);
-  const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
-  const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, p.batch);
-  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks);
-  err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits == 1) return err;
-  merge_splits_kernel<T><<<p.batch * p.num_q_heads, 128, 0, stream>>>(p, C::D);
-  return cudaGetLastError();
+cudaError_t prepare_decode_kernel() {
+  static const cudaError_t status =
+      cudaFuncSetAttribute(decode_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  return status;
 }
 
-template <int D, typename T>
-cudaError_t launch_decode_preset(const DecodeParams& p, cudaStream_t stream) {
+struct LaunchDecode {
+  const DecodeParams& p;
+  cudaStream_t stream;
+  template <class C, typename T>
+  cudaError_t run() const {
+    cudaError_t err = prepare_decode_kernel<C, T>();
+    if (err != cudaSuccess) return err;
+    const int head_chunks = head_chunks_of(p);
+    const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
+    const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, p.batch);
+    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks);
+    err = cudaGetLastError();
+    if (err != cudaSuccess || p.num_splits == 1) return err;
+    merge_splits_kernel<T><<<p.batch * p.num_q_heads, 128, 0, stream>>>(p, C::D);
+    return cudaGetLastError();
+  }
+};
+
+// How many CTAs of this configuration fit on one multiprocessor at once (registers, shared memory).
+struct ResidentCtas {
+  int* per_sm;
+  template <class C, typename T>
+  cudaError_t run() const {
+    static const int n = [] {
+      int blocks = 0;
+      if (prepare_decode_kernel<C, T>() != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<C, T>, kThreads, C::kSmemBytes) !=
+              cudaSuccess) {
+        return 1;
+      }
+      return blocks > 0 ? blocks : 1;
+    }();
+    *per_sm = n;
+    return cudaSuccess;
+  }
+};
+
+// Calls visit.run<C, T>() with the kernel configuration of p (preset, head_dim, element type).
+template <int D, typename T, class Visit>
+cudaError_t visit_preset(const DecodeParams& p, const Visit& visit) {
   const SlotLayout& L = p.layout;
-  if (L.key_format == KeyFormat::kFp8 && L.value_bits == 4) return launch_decode_typed<DecodeConfig<D, true, 8, 4>, T>(p, stream);
+  if (L.key_format == KeyFormat::kFp8 && L.value_bits == 4) return visit.template run<DecodeConfig<D, true, 8, 4>, T>();
   if constexpr (D != 96) {
-    if (L.key_bits == 4 && L.value_bits == 4) return launch_decode_typed<DecodeConfig<D, false, 4, 4>, T>(p, stream);
-    if (L.key_bits == 3 && L.value_bits == 4) return launch_decode_typed<DecodeConfig<D, false, 3, 4>, T>(p, stream);
-    if (L.key_bits == 3 && L.value_bits == 3) return launch_decode_typed<DecodeConfig<D, false, 3, 3>, T>(p, stream);
+    if (L.key_bits == 4 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 4, 4>, T>();
+    if (L.key_bits == 3 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 3, 4>, T>();
+    if (L.key_bits == 3 && L.value_bits == 3) return visit.template run<DecodeConfig<D, false, 3, 3>, T>();
   }
   return cudaErrorInvalidValue;
 }
 
-template <typename T>
-cudaError_t launch_decode_dtype(const DecodeParams& p, cudaStream_t stream) {
+template <typename T, class Visit>
+cudaError_t visit_head_dim(const DecodeParams& p, const Visit& visit) {
   switch (p.layout.head_dim) {
-    case 64: return launch_decode_preset<64, T>(p, stream);
-    case 96: return launch_decode_preset<96, T>(p, stream);
-    case 128: return launch_decode_preset<128, T>(p, stream);
-    case 256: return launch_decode_preset<256, T>(p, stream);
+    case 64: return visit_preset<64, T>(p, visit);
+    case 96: return visit_preset<96, T>(p, visit);
+    case 128: return visit_preset<128, T>(p, visit);
+    case 256: return visit_preset<256, T>(p, visit);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <class Visit>
+cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
+  if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case ElementType::kHalf: return visit_head_dim<__half>(p, visit);
+    case ElementType::kBFloat16: return visit_head_dim<__nv_bfloat16>(p, visit);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -433,20 +520,18 @@ cudaError_t launch_decode_dtype(const DecodeParams& p, cudaStream_t stream) {
 }  // namespace
 
 int decode_default_num_splits(const DecodeParams& p) {
+  int per_sm = 1;
+  visit_decode_config(p, ResidentCtas{&per_sm});
   const int splits = default_num_splits(p.batch, p.cache.num_kv_heads * head_chunks_of(p),
-                                        p.max_blocks_per_seq * p.cache.block_size, device_sm_count());
+                                        p.max_blocks_per_seq * p.cache.block_size, device_sm_count() * per_sm);
   return std::min(splits, 128);
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
-  if (!cuda_supports_head_dim(p.layout) || p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+  if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.batch > 65535) return cudaErrorInvalidConfiguration;  // grid z
-  switch (p.dtype) {
-    case ElementType::kHalf: return launch_decode_dtype<__half>(p, stream);
-    case ElementType::kBFloat16: return launch_decode_dtype<__nv_bfloat16>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return visit_decode_config(p, LaunchDecode{p, stream});
 }
 
 }  // namespace turboquant

@@ -1,6 +1,5 @@
 // Device helpers shared by the kernels: element conversion, warp reductions, the warp-parallel
-// Walsh-Hadamard transform, and thin wrappers over PTX (mma, movmatrix, fp8 cvt, TMA bulk copies
-// and mbarriers).
+// Walsh-Hadamard transform, and thin wrappers over PTX (mma, movmatrix, fp8 cvt, cp.async).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -122,10 +121,24 @@ __device__ __forceinline__ uint32_t codes_to_half2(uint32_t lo, uint32_t hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// Low nibbles of bytes 0 and 2 of x -> half2 exactly (the same 1024 + n trick).
-__device__ __forceinline__ uint32_t nibbles_to_half2(uint32_t x) {
-  const uint32_t biased = (x & 0x000f000fu) | 0x64006400u;
+// (x & mask) | bias in one LOP3 (the compiler splits it in two when both are immediates).
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bias) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(y) : "r"(x), "r"(mask), "r"(bias));
+  return y;
+}
+
+// Low nibbles of bytes 0 and 2 of x -> half2 exactly: 0x6400 | n is 1024 + n.
+__device__ __forceinline__ uint32_t low_nibbles_to_half2(uint32_t x) {
+  const uint32_t biased = and_or(x, 0x000f000fu, 0x64006400u);
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// High nibbles of bytes 0 and 2 of x -> half2 exactly, without a shift: 0x5400 | (n << 4) is 64 + n.
+__device__ __forceinline__ uint32_t high_nibbles_to_half2(uint32_t x) {
+  const uint32_t biased = and_or(x, 0x00f000f0u, 0x54005400u);
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(64.0f), __half(64.0f)));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
@@ -157,42 +170,19 @@ __device__ __forceinline__ uint32_t extract_bits(const uint32_t (&w)[NW], int of
   return __funnelshift_r(w[word], w[word + 1], shift) & mask;
 }
 
-// ---- Hopper bulk copies (TMA engine, no tensor map) completing on an mbarrier.
+// ---- 16-byte asynchronous global -> shared copies (cp.async, L2 only), in per-thread groups.
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
+// Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_address(dst)), "l"(src) : "memory");
 }
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// Orders this thread's generic shared-memory accesses before later async-proxy (TMA) writes.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared.
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          smem_address(dst)),
-      "l"(src), "r"(bytes), "r"(smem_address(bar))
-      : "memory");
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's newest groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 }  // namespace device

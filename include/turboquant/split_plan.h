@@ -14,11 +14,13 @@ constexpr int kMinTokensPerSplit = 256;  // below this a split costs more to mer
 TQ_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Splits for one decode step. Depends only on shapes (never on seq_lens values), so a captured
-// CUDA graph stays valid: enough CTAs for ~4 per multiprocessor, never fewer tokens per split
-// than kMinTokensPerSplit of the largest context the block table can hold.
-TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int num_sms) {
+// CUDA graph stays valid. Enough splits to fill one wave of `resident_ctas` (CTAs the device runs
+// at once): more waves only add per-CTA set-up, merge work and tail imbalance (measured on the
+// H200, benchmarks/RESULTS.md). Never fewer tokens per split than kMinTokensPerSplit of the
+// largest context the block table can hold.
+TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas) {
   const int base = batch * ctas_per_split;
-  int splits = base > 0 ? ceil_div(4 * num_sms, base) : 1;
+  int splits = base > 0 ? resident_ctas / base : 1;
   const int cap = ceil_div(max_context > 0 ? max_context : 1, kMinTokensPerSplit);
   if (splits > cap) splits = cap;
   return splits < 1 ? 1 : splits;
