@@ -9,7 +9,6 @@ ensure_python_deps() {
     "$PYTHON" -m pip install -q torch==2.13.0
   fi
   local missing=()
-  "$PYTHON" -c "import pybind11" >/dev/null 2>&1 || missing+=(pybind11)
   "$PYTHON" -c "import pytest" >/dev/null 2>&1 || missing+=(pytest)
   "$PYTHON" -c "import numpy" >/dev/null 2>&1 || missing+=(numpy)
   "$PYTHON" -c "import matplotlib" >/dev/null 2>&1 || missing+=(matplotlib)  # report plots
