@@ -66,11 +66,13 @@ if has speed; then  # context/batch sweep, plots and section in benchmarks/RESUL
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
   tail -40 "$OUT/RESULTS.md"
 fi
-if has profile; then
-  timeout 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
-    "$PYTHON" benchmarks/profile_decode.py > "$OUT/ncu.txt" 2>&1 || status=1
-  grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued)" "$OUT/ncu.txt"
+if has profile; then  # stall reasons of the decode kernel, overall and per SASS instruction
+  timeout 240 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 \
+    --set full --import-source yes -o "$OUT/decode_profile" -f \
+    "$PYTHON" benchmarks/profile_decode.py > "$OUT/ncu_run.log" 2>&1 || status=1
+  ncu -i "$OUT/decode_profile.ncu-rep" --page details > "$OUT/ncu.txt" 2>&1
+  ncu -i "$OUT/decode_profile.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+  grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per)" "$OUT/ncu.txt"
 fi
 echo "== done in $(( $(date +%s) - start )) s"
 exit $status
