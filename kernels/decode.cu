@@ -67,8 +67,7 @@ struct DecodeConfig {
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 3) * 4;
   static constexpr int kScratchBytes =
       cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes)), 16) * 16;
-  static constexpr int kShiftBytes = kWarps * kStages * 16 * 2;
-  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + kShiftBytes;
+  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
 };
 
 __device__ __forceinline__ float load_half(const uint8_t* p) {
@@ -98,14 +97,13 @@ __device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], i
 }
 
 template <class C, typename T>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, const float q_multiplier,
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p, const float q_multiplier,
                                                           const int head_chunks) {
   using namespace device;
   constexpr int D = C::D;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* scratch = smem;
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
-  int16_t* shifts = reinterpret_cast<int16_t*>(smem + C::kScratchBytes + C::kPairTableWords * 4);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
@@ -159,7 +157,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
   const int my_tiles = warp < num_tiles ? cdiv(num_tiles - warp, kWarps) : 0;
   uint8_t* ring = scratch + warp * C::kStages * C::kStageBytes;
-  int16_t* my_shifts = shifts + warp * C::kStages * 16;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
@@ -178,14 +175,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the aligned
   // 16-byte chunks around the slot. Every lane commits one cp.async group per tile (empty or
   // not), so "all but the newest kStages - 1 groups" is always "this tile and older".
-  auto issue_tile = [&](int local_tile, int dst_stage) {
+  // Returns the tile's row codes, known to every lane: 4 bits per row (bit 3: row valid, bits
+  // 0-2: the slot's offset in its first chunk / 2), rows 0-7 in .x and 8-15 in .y. They stay in
+  // registers until the tile is consumed, so no shared-memory load heads the consumer's chain.
+  auto issue_tile = [&](int local_tile, int dst_stage) -> uint2 {
     if ((local_tile & 31) == 0 && local_tile > 0) {  // warp-uniform: a new window of block ids
       block_ids = next_block_ids;
       next_block_ids = load_block_ids((local_tile >> 5) + 1);
     }
     const int64_t block = __shfl_sync(kFullMask, block_ids, local_tile & 31);
     const int t0 = range.begin + (warp + local_tile * kWarps) * kTokenTile;  // a tile never straddles blocks
-    const int r = lane & 15;
+    const int r = lane & 15, half = lane >> 4;
     const bool row_ok = block >= 0 && block < p.cache.num_blocks && t0 + r < range.end;
     const int64_t slot = block * p.cache.stride_block +
                          static_cast<int64_t>((t0 & (block_size - 1)) + r) * p.cache.stride_token + head_offset;
@@ -194,16 +194,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       // The host guarantees span_bytes is a multiple of 16: a chunk is wholly inside or out.
       const int64_t left = (p.cache.span_bytes - first) >> 4;
       const int chunks = left < C::kChunks ? static_cast<int>(left) : C::kChunks;
-      const uint8_t* src = p.cache.data + first;
-      uint8_t* dst = ring + dst_stage * C::kStageBytes + r * C::kRowBytes;
+      const uint8_t* src = p.cache.data + first + 16 * half;
+      uint8_t* dst = ring + dst_stage * C::kStageBytes + r * C::kRowBytes + 16 * half;
 #pragma unroll
       for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
-        const int chunk = (lane >> 4) + 2 * k;
-        if (chunk < chunks) cp_async_16(dst + 16 * chunk, src + 16 * chunk);
+        if (half + 2 * k < chunks) cp_async_16(dst + 32 * k, src + 32 * k);
       }
     }
     cp_async_commit();
-    if (lane < 16) my_shifts[dst_stage * 16 + r] = row_ok ? static_cast<int16_t>(slot & 15) : int16_t(-1);
+    const uint32_t code = row_ok ? 8u | static_cast<uint32_t>((slot & 15) >> 1) : 0u;
+    return make_uint2(__reduce_or_sync(kFullMask, lane < 8 ? code << (4 * r) : 0u),
+                      __reduce_or_sync(kFullMask, lane >= 8 && lane < 16 ? code << (4 * (r - 8)) : 0u));
   };
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
@@ -213,26 +214,38 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
+  // Row codes of the tiles in flight, oldest first (register FIFO: indices fold to constants).
+  uint2 codes[C::kStages - 1];
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
-    if (s < my_tiles) issue_tile(s, s);
-    else cp_async_commit();
+    if (s < my_tiles) {
+      codes[s] = issue_tile(s, s);
+    } else {
+      cp_async_commit();
+      codes[s] = make_uint2(0u, 0u);
+    }
   }
   int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
   for (int it = 0; it < my_tiles; ++it) {
     const int next = it + C::kStages - 1;
-    if (next < my_tiles) issue_tile(next, next_stage);
+    const uint2 tile_codes = codes[0];
+    uint2 next_codes = make_uint2(0u, 0u);
+    if (next < my_tiles) next_codes = issue_tile(next, next_stage);
     else cp_async_commit();
+#pragma unroll
+    for (int s = 0; s + 1 < C::kStages - 1; ++s) codes[s] = codes[s + 1];
+    codes[C::kStages - 2] = next_codes;
     next_stage = next_stage == C::kStages - 1 ? 0 : next_stage + 1;
     cp_async_wait<C::kStages - 1>();  // this lane's copies of tile `it` have landed
-    __syncwarp();  // ... and every lane's, with the row shifts written by lanes 0-15
+    __syncwarp();  // ... and every lane's
 
     const uint8_t* rows = ring + stage * C::kStageBytes;
-    const int16_t* sh = my_shifts + stage * 16;
-    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + max(static_cast<int>(sh[r]), 0); };
-    const bool valid_lo = sh[g] >= 0, valid_hi = sh[g + 8] >= 0;
-    const uint8_t* slot_lo = slot_ptr(g);
-    const uint8_t* slot_hi = slot_ptr(g + 8);
+    // Row r's code; r is g, g + 8, 2c (+1) or 2c + 8 (+9), so the word is known at compile time.
+    auto row_code = [&](int r, bool upper) { return ((upper ? tile_codes.y : tile_codes.x) >> (4 * (r & 7))) & 15u; };
+    auto slot_ptr = [&](int r, bool upper) { return rows + r * C::kRowBytes + 2 * (row_code(r, upper) & 7u); };
+    const bool valid_lo = row_code(g, false) >= 8, valid_hi = row_code(g + 8, true) >= 8;
+    const uint8_t* slot_lo = slot_ptr(g, false);
+    const uint8_t* slot_hi = slot_ptr(g + 8, true);
 
     // S^T = K~ Q^T for tokens g, g+8 and heads 2c, 2c+1
     uint32_t key_lo[C::kKeyWords], key_hi[C::kKeyWords];
@@ -311,10 +324,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
     // O^T += V^T B with raw codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
     uint32_t vw[4][C::kValueWords];
     const int value_at = C::kLayout.value_data_offset + g * C::kValueChunkBytes;
-    load_unaligned_words(slot_ptr(2 * c) + value_at, vw[0]);
-    load_unaligned_words(slot_ptr(2 * c + 1) + value_at, vw[1]);
-    load_unaligned_words(slot_ptr(2 * c + 8) + value_at, vw[2]);
-    load_unaligned_words(slot_ptr(2 * c + 9) + value_at, vw[3]);
+    load_unaligned_words(slot_ptr(2 * c, false) + value_at, vw[0]);
+    load_unaligned_words(slot_ptr(2 * c + 1, false) + value_at, vw[1]);
+    load_unaligned_words(slot_ptr(2 * c + 8, true) + value_at, vw[2]);
+    load_unaligned_words(slot_ptr(2 * c + 9, true) + value_at, vw[3]);
 #pragma unroll
     for (int i = 0; i < C::kKSteps; ++i) {
       uint32_t a0, a1, a2, a3;
