@@ -1,7 +1,7 @@
 // Implementation of the shared argument checks.
 #include "op_checks.h"
 
-#include <c10/util/Exception.h>
+#include "error_message.h"
 
 #include <cstdlib>
 #include <stdexcept>
@@ -17,22 +17,22 @@ bool is_supported_block_size(int64_t b) { return b == 16 || b == 32 || b == 64 |
 
 CacheGeometry check_kv_cache(const at::Tensor& kv_cache, const SlotLayout& layout,
                              const Preset& preset) {
-  TORCH_CHECK(kv_cache.scalar_type() == at::kByte, "turboquant: kv_cache must be uint8, got ",
+  TQ_CHECK(kv_cache.scalar_type() == at::kByte, "turboquant: kv_cache must be uint8, got ",
               kv_cache.scalar_type());
-  TORCH_CHECK(kv_cache.dim() == 4,
+  TQ_CHECK(kv_cache.dim() == 4,
               "turboquant: kv_cache must be 4-D [num_blocks, block_size, num_kv_heads, slot], got "
               "shape ",
               kv_cache.sizes());
-  TORCH_CHECK(kv_cache.size(3) == layout.slot_size_aligned, "turboquant: kv_cache last dim must be ",
+  TQ_CHECK(kv_cache.size(3) == layout.slot_size_aligned, "turboquant: kv_cache last dim must be ",
               layout.slot_size_aligned, " bytes (preset ", preset.name, ", head_dim ",
               layout.head_dim, "), got ", kv_cache.size(3));
-  TORCH_CHECK(kv_cache.stride(3) == 1, "turboquant: kv_cache slots must be contiguous (stride(3) == 1), got stride ",
+  TQ_CHECK(kv_cache.stride(3) == 1, "turboquant: kv_cache slots must be contiguous (stride(3) == 1), got stride ",
               kv_cache.stride(3));
-  TORCH_CHECK(is_supported_block_size(kv_cache.size(1)),
+  TQ_CHECK(is_supported_block_size(kv_cache.size(1)),
               "turboquant: kv_cache block_size (dim 1) must be 16, 32, 64 or 128, got ",
               kv_cache.size(1));
   for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(kv_cache.stride(d) >= 0 && kv_cache.stride(d) % 2 == 0,
+    TQ_CHECK(kv_cache.stride(d) >= 0 && kv_cache.stride(d) % 2 == 0,
                 "turboquant: kv_cache stride(", d, ") must be even and non-negative, got ",
                 kv_cache.stride(d));
   }
@@ -52,15 +52,15 @@ CacheGeometry check_kv_cache(const at::Tensor& kv_cache, const SlotLayout& layou
 }
 
 void check_index_tensor(const at::Tensor& t, const char* name, int dim, bool allow_int64) {
-  TORCH_CHECK(t.scalar_type() == at::kInt || (allow_int64 && t.scalar_type() == at::kLong),
+  TQ_CHECK(t.scalar_type() == at::kInt || (allow_int64 && t.scalar_type() == at::kLong),
               "turboquant: ", name, " must be int32", allow_int64 ? " or int64" : "", ", got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "turboquant: ", name, " must be ", dim, "-D, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "turboquant: ", name, " must be contiguous");
+  TQ_CHECK(t.dim() == dim, "turboquant: ", name, " must be ", dim, "-D, got shape ", t.sizes());
+  TQ_CHECK(t.is_contiguous(), "turboquant: ", name, " must be contiguous");
 }
 
 void check_same_device(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
-  TORCH_CHECK(a.device() == b.device(), "turboquant: ", an, " and ", bn,
+  TQ_CHECK(a.device() == b.device(), "turboquant: ", an, " and ", bn,
               " must be on the same device, got ", a.device(), " and ", b.device());
 }
 
@@ -70,7 +70,7 @@ const Preset& get_preset(const std::string& name) {
   try {
     return parse_preset(name);
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, e.what());
+    TQ_CHECK(false, e.what());
   }
 }
 
@@ -78,7 +78,7 @@ static SlotLayout layout_or_throw(const Preset& p, int64_t head_dim) {
   try {
     return slot_layout(p, static_cast<int>(head_dim));
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, e.what());
+    TQ_CHECK(false, e.what());
   }
 }
 
@@ -87,22 +87,22 @@ StoreArgs check_store_kv_args(const at::Tensor& key, const at::Tensor& value,
                               const std::string& preset) {
   StoreArgs a;
   a.preset = &get_preset(preset);
-  TORCH_CHECK(key.dim() == 3, "turboquant: key must be 3-D [num_tokens, num_kv_heads, head_dim], got shape ",
+  TQ_CHECK(key.dim() == 3, "turboquant: key must be 3-D [num_tokens, num_kv_heads, head_dim], got shape ",
               key.sizes());
-  TORCH_CHECK(value.sizes() == key.sizes(), "turboquant: value must have key's shape ", key.sizes(),
+  TQ_CHECK(value.sizes() == key.sizes(), "turboquant: value must have key's shape ", key.sizes(),
               ", got ", value.sizes());
-  TORCH_CHECK(is_float_dtype(key.scalar_type()),
+  TQ_CHECK(is_float_dtype(key.scalar_type()),
               "turboquant: key must be float16, bfloat16 or float32, got ", key.scalar_type());
-  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "turboquant: value dtype must match key (",
+  TQ_CHECK(value.scalar_type() == key.scalar_type(), "turboquant: value dtype must match key (",
               key.scalar_type(), "), got ", value.scalar_type());
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(),
+  TQ_CHECK(key.is_contiguous() && value.is_contiguous(),
               "turboquant: key and value must be contiguous");
   a.layout = layout_or_throw(*a.preset, key.size(2));
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
-  TORCH_CHECK(key.size(1) == a.cache.num_kv_heads, "turboquant: key has ", key.size(1),
+  TQ_CHECK(key.size(1) == a.cache.num_kv_heads, "turboquant: key has ", key.size(1),
               " KV heads but kv_cache has ", a.cache.num_kv_heads);
   check_index_tensor(slot_mapping, "slot_mapping", 1, /*allow_int64=*/true);
-  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "turboquant: slot_mapping must have ",
+  TQ_CHECK(slot_mapping.size(0) == key.size(0), "turboquant: slot_mapping must have ",
               key.size(0), " entries (one per token), got ", slot_mapping.size(0));
   check_same_device(key, "key", value, "value");
   check_same_device(key, "key", kv_cache, "kv_cache");
@@ -115,9 +115,9 @@ static void check_block_table_and_seq_lens(const at::Tensor& block_table, const 
                                            int64_t batch) {
   check_index_tensor(block_table, "block_table", 2, /*allow_int64=*/false);
   check_index_tensor(seq_lens, "seq_lens", 1, /*allow_int64=*/false);
-  TORCH_CHECK(block_table.size(0) == batch, "turboquant: block_table must have ", batch,
+  TQ_CHECK(block_table.size(0) == batch, "turboquant: block_table must have ", batch,
               " rows (batch), got ", block_table.size(0));
-  TORCH_CHECK(seq_lens.size(0) == batch, "turboquant: seq_lens must have ", batch,
+  TQ_CHECK(seq_lens.size(0) == batch, "turboquant: seq_lens must have ", batch,
               " entries (batch), got ", seq_lens.size(0));
 }
 
@@ -126,18 +126,18 @@ DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache
                              const std::string& preset, int64_t num_splits) {
   DecodeArgs a;
   a.preset = &get_preset(preset);
-  TORCH_CHECK(query.dim() == 3, "turboquant: query must be 3-D [batch, num_q_heads, head_dim], got shape ",
+  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D [batch, num_q_heads, head_dim], got shape ",
               query.sizes());
-  TORCH_CHECK(is_float_dtype(query.scalar_type()),
+  TQ_CHECK(is_float_dtype(query.scalar_type()),
               "turboquant: query must be float16, bfloat16 or float32, got ", query.scalar_type());
-  TORCH_CHECK(query.is_contiguous(), "turboquant: query must be contiguous");
+  TQ_CHECK(query.is_contiguous(), "turboquant: query must be contiguous");
   a.layout = layout_or_throw(*a.preset, query.size(2));
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
-  TORCH_CHECK(a.cache.num_kv_heads > 0 && query.size(1) % a.cache.num_kv_heads == 0,
+  TQ_CHECK(a.cache.num_kv_heads > 0 && query.size(1) % a.cache.num_kv_heads == 0,
               "turboquant: query heads (", query.size(1),
               ") must be a multiple of kv_cache heads (", a.cache.num_kv_heads, ")");
   check_block_table_and_seq_lens(block_table, seq_lens, query.size(0));
-  TORCH_CHECK(num_splits >= 0, "turboquant: num_splits must be >= 0 (0 = choose), got ", num_splits);
+  TQ_CHECK(num_splits >= 0, "turboquant: num_splits must be >= 0 (0 = choose), got ", num_splits);
   check_same_device(query, "query", kv_cache, "kv_cache");
   check_same_device(query, "query", block_table, "block_table");
   check_same_device(query, "query", seq_lens, "seq_lens");
@@ -152,9 +152,9 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
                                  at::ScalarType dtype) {
   DecodeArgs a;
   a.preset = &get_preset(preset);
-  TORCH_CHECK(is_float_dtype(dtype), "turboquant: dtype must be float16, bfloat16 or float32, got ",
+  TQ_CHECK(is_float_dtype(dtype), "turboquant: dtype must be float16, bfloat16 or float32, got ",
               dtype);
-  TORCH_CHECK(kv_cache.dim() == 4, "turboquant: kv_cache must be 4-D [num_blocks, block_size, num_kv_heads, slot], got shape ",
+  TQ_CHECK(kv_cache.dim() == 4, "turboquant: kv_cache must be 4-D [num_blocks, block_size, num_kv_heads, slot], got shape ",
               kv_cache.sizes());
   int64_t head_dim = -1;
   for (int d = 8; d <= 1024; d += 8) {
@@ -162,7 +162,7 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
                                           a.preset->value_bits);
     if (l.slot_size_aligned == kv_cache.size(3)) head_dim = d;
   }
-  TORCH_CHECK(head_dim > 0, "turboquant: kv_cache slot size ", kv_cache.size(3),
+  TQ_CHECK(head_dim > 0, "turboquant: kv_cache slot size ", kv_cache.size(3),
               " bytes matches no head_dim for preset ", a.preset->name);
   a.layout = layout_or_throw(*a.preset, head_dim);
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
@@ -179,16 +179,16 @@ void check_dequantize_outputs(const at::Tensor& key_out, const at::Tensor& value
                               const at::Tensor& kv_cache) {
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{key_out, "key_out"},
                                 std::pair<const at::Tensor&, const char*>{value_out, "value_out"}}) {
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == a.batch && t.size(2) == a.cache.num_kv_heads &&
+    TQ_CHECK(t.dim() == 4 && t.size(0) == a.batch && t.size(2) == a.cache.num_kv_heads &&
                     t.size(3) == a.layout.head_dim,
                 "turboquant: ", name, " must be [", a.batch, ", L, ", a.cache.num_kv_heads, ", ", a.layout.head_dim,
                 "], got shape ", t.sizes());
-    TORCH_CHECK(is_float_dtype(t.scalar_type()), "turboquant: ", name,
+    TQ_CHECK(is_float_dtype(t.scalar_type()), "turboquant: ", name,
                 " must be float16, bfloat16 or float32, got ", t.scalar_type());
-    TORCH_CHECK(t.is_contiguous(), "turboquant: ", name, " must be contiguous");
+    TQ_CHECK(t.is_contiguous(), "turboquant: ", name, " must be contiguous");
     check_same_device(t, name, kv_cache, "kv_cache");
   }
-  TORCH_CHECK(key_out.sizes() == value_out.sizes() && key_out.scalar_type() == value_out.scalar_type(),
+  TQ_CHECK(key_out.sizes() == value_out.sizes() && key_out.scalar_type() == value_out.scalar_type(),
               "turboquant: key_out and value_out must have the same shape and dtype");
 }
 
@@ -202,7 +202,7 @@ void check_slot_mapping_in_range(const at::Tensor& slot_mapping, const CacheGeom
   const int64_t capacity = cache.num_blocks * cache.block_size;
   const int64_t* p = s.data_ptr<int64_t>();
   for (int64_t i = 0; i < s.numel(); ++i) {
-    TORCH_CHECK(p[i] < capacity, "turboquant: slot_mapping[", i, "] = ", p[i],
+    TQ_CHECK(p[i] < capacity, "turboquant: slot_mapping[", i, "] = ", p[i],
                 " is outside the cache (", capacity, " slots = ", cache.num_blocks, " blocks x ",
                 cache.block_size, ")");
   }
@@ -215,13 +215,13 @@ void check_block_table_in_range(const at::Tensor& block_table, const at::Tensor&
   const int64_t batch = bt.size(0), width = bt.size(1);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = sl.data_ptr<int32_t>()[b];
-    TORCH_CHECK(len >= 0 && len <= width * cache.block_size, "turboquant: seq_lens[", b, "] = ", len,
+    TQ_CHECK(len >= 0 && len <= width * cache.block_size, "turboquant: seq_lens[", b, "] = ", len,
                 " is outside [0, ", width * cache.block_size, "] (block_table width ", width,
                 " x block_size ", cache.block_size, ")");
     const int64_t used = (len + cache.block_size - 1) / cache.block_size;
     for (int64_t j = 0; j < used; ++j) {
       const int32_t blk = bt.data_ptr<int32_t>()[b * width + j];
-      TORCH_CHECK(blk >= 0 && blk < cache.num_blocks, "turboquant: block_table[", b, ", ", j,
+      TQ_CHECK(blk >= 0 && blk < cache.num_blocks, "turboquant: block_table[", b, ", ", j,
                   "] = ", blk, " is outside [0, ", cache.num_blocks, ")");
     }
   }

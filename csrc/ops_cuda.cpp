@@ -7,6 +7,7 @@
 
 #include <limits>
 
+#include "error_message.h"
 #include "launchers.h"
 #include "op_checks.h"
 #include "turboquant/lloyd_max.h"
@@ -34,12 +35,12 @@ Codebook codebook_for(const Preset& preset, int head_dim) {
 }
 
 void check_cuda_head_dim(const SlotLayout& layout) {
-  TORCH_CHECK(cuda_supports_head_dim(layout), "turboquant: the CUDA kernels support head_dim 64, 128 and 256 ",
+  TQ_CHECK(cuda_supports_head_dim(layout), "turboquant: the CUDA kernels support head_dim 64, 128 and 256 ",
               "(and 96 for turboquant_k8v4), got ", layout.head_dim);
 }
 
 void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "turboquant: ", op, " CUDA launch failed: ", cudaGetErrorString(err));
+  TQ_CHECK(err == cudaSuccess, "turboquant: ", op, " CUDA launch failed: ", cudaGetErrorString(err));
 }
 
 void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
@@ -47,8 +48,8 @@ void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
   check_cuda_head_dim(a.layout);
   if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
+  TQ_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
+  TQ_CHECK(reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
               "turboquant: CUDA store_kv needs 16-byte aligned key and value (vector loads); got a view with an odd offset");
   const c10::cuda::CUDAGuard guard(key.device());
   StoreParams p;
@@ -69,11 +70,11 @@ at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, cons
                        const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
   check_cuda_head_dim(a.layout);
-  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
+  TQ_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
               "turboquant: CUDA decode takes a float16 or bfloat16 query, got ", query.scalar_type());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
+  TQ_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
               "turboquant: kv_cache must be 16-byte aligned for CUDA decode (a freshly allocated cache is)");
-  TORCH_CHECK(a.cache.span_bytes % 16 == 0,
+  TQ_CHECK(a.cache.span_bytes % 16 == 0,
               "turboquant: CUDA decode copies whole 16-byte chunks, so the kv_cache view must end on a 16-byte ",
               "boundary (a whole allocated cache does); got a view spanning ", a.cache.span_bytes, " bytes");
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
@@ -93,7 +94,7 @@ at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, cons
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.scale = static_cast<float>(scale);
   p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : decode_default_num_splits(p);
-  TORCH_CHECK(p.num_splits <= 256, "turboquant: num_splits must be at most 256, got ", p.num_splits);
+  TQ_CHECK(p.num_splits <= 256, "turboquant: num_splits must be at most 256, got ", p.num_splits);
   at::Tensor partial_out, partial_lse;
   if (p.num_splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
