@@ -123,10 +123,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     p.add_argument("--quick", action="store_true", help="fewer contexts and batches")
+    p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse HEAD; a copied "
+                   "working tree without its .git reports a stale one)")
     a = p.parse_args()
     if not (torch.cuda.is_available() and tq.has_cuda_kernels()):
         sys.exit("speed.py needs a CUDA device and the CUDA build of the ops")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
     report(measure(a.quick), a.out, torch.cuda.get_device_name(), commit)
 
 
