@@ -111,7 +111,8 @@ def report(results: dict, out: str, gpu: str, commit: str) -> None:
          axes["store"], results["store"], "µs per call")
     body = "\n".join([
         f"## Speed sweep ({gpu}, {datetime.date.today()}, commit {commit}, `python benchmarks/speed.py`)", "",
-        "![decode vs context](decode_vs_context.png) ![decode vs batch](decode_vs_batch.png)", "",
+        "![decode vs context](decode_vs_context.png) ![decode vs batch](decode_vs_batch.png) "
+        "![store vs tokens](store_vs_tokens.png)", "",
         markdown_table("Decode, B=1, by context", "context", axes["context"], results["context"]),
         markdown_table("Decode, L=8192, by batch", "batch", axes["batch"], results["batch"]),
         markdown_table("Store, by tokens", "tokens", axes["store"], results["store"]),

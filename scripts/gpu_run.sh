@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
-# Logs and tables go to $OUT (or ./gpu_out).
+# Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench speed profile probe diagnose sanitize
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run. A cold H200 call costs ~2 minutes of device time
@@ -76,4 +76,7 @@ if has profile; then  # stall reasons of the decode kernel, overall and per SASS
   grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per)" "$OUT/ncu.txt"
 fi
 echo "== done in $(( $(date +%s) - start )) s"
+# The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
+logs=$(cd "$OUT" && ls *.log *.txt 2>/dev/null)
+if [ -n "$logs" ]; then (cd "$OUT" && tar czf logs.tgz $logs && rm -f $logs); fi
 exit $status

@@ -1,0 +1,44 @@
+// Split-KV planning (include/turboquant/split_plan.h): one wave of resident CTAs, capped by the
+// context, and token ranges that tile a sequence in whole 16-token tiles.
+#include <gtest/gtest.h>
+
+#include "turboquant/split_plan.h"
+
+namespace turboquant {
+namespace {
+
+TEST(SplitPlan, FillsOneWaveOfResidentCtas) {
+  // 132 SMs x 2 resident CTAs = 264 slots.
+  EXPECT_EQ(default_num_splits(32, 8, 8192, 264), 1);    // 256 CTAs already fill the wave
+  EXPECT_EQ(default_num_splits(8, 8, 8192, 264), 4);     // 64 per split -> 4 splits, 256 CTAs
+  EXPECT_EQ(default_num_splits(1, 8, 32768, 264), 33);   // floor(264 / 8)
+  EXPECT_EQ(default_num_splits(300, 8, 8192, 264), 1);   // more CTAs than slots: never 0
+}
+
+TEST(SplitPlan, NeverBelowMinimumTokensPerSplit) {
+  EXPECT_EQ(default_num_splits(1, 8, 1024, 264), 1024 / kMinTokensPerSplit);
+  EXPECT_EQ(default_num_splits(1, 8, 1, 264), 1);
+  EXPECT_EQ(default_num_splits(1, 8, 0, 264), 1);  // empty block table
+  EXPECT_EQ(default_num_splits(0, 8, 8192, 264), 1);
+}
+
+TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
+  for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149}) {
+    for (int splits : {1, 3, 7, 33}) {
+      int covered = 0;
+      for (int s = 0; s < splits; ++s) {
+        const TokenRange r = split_token_range(seq_len, splits, s);
+        ASSERT_LE(r.begin, r.end);
+        if (r.end > r.begin) {
+          EXPECT_EQ(r.begin, covered) << "ranges are contiguous";
+          EXPECT_EQ(r.begin % kTokenTile, 0) << "a tile never straddles two splits";
+          covered = r.end;
+        }
+      }
+      EXPECT_EQ(covered, seq_len) << seq_len << " tokens, " << splits << " splits";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace turboquant
