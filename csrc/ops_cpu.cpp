@@ -19,6 +19,19 @@
 namespace turboquant {
 namespace {
 
+// fp32 results -> the output dtype. fp16 outputs saturate finite values past their range with
+// the rule the CUDA kernels use (clamp_to_half_range); inf and NaN pass through.
+at::Tensor to_output_dtype(at::Tensor f32, at::ScalarType dtype) {
+  if (dtype == at::kHalf) {
+    f32 = f32.contiguous();
+    float* p = f32.data_ptr<float>();
+    at::parallel_for(0, f32.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) p[i] = clamp_to_half_range(p[i]);
+    });
+  }
+  return f32.to(dtype);
+}
+
 const Codebook* key_codebook(const Preset& p, int head_dim) {
   return p.key_format == KeyFormat::kLloydMax ? &gaussian_codebook(p.key_bits, head_dim) : nullptr;
 }
@@ -162,7 +175,7 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
   at::Tensor weights = at::exp(partial_lse - finite_max);  // exp(-inf) = 0 for empty splits
   at::Tensor denom = weights.sum(2, /*keepdim=*/true).clamp_min(1e-30);
   at::Tensor out = (partial_out * (weights / denom).unsqueeze(-1)).sum(2);
-  return out.to(query.scalar_type());
+  return to_output_dtype(out, query.scalar_type());
 }
 
 void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -196,8 +209,8 @@ void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_tab
       }
     }
   });
-  key_out.copy_(keys);
-  value_out.copy_(values);
+  key_out.copy_(to_output_dtype(keys, key_out.scalar_type()));
+  value_out.copy_(to_output_dtype(values, value_out.scalar_type()));
 }
 
 std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table,

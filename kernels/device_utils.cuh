@@ -25,8 +25,9 @@ __device__ __forceinline__ float to_float<float>(float v) { return v; }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
+// Outputs: finite results past the fp16 range saturate (clamp_to_half_range), as on the CPU.
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(clamp_to_half_range(v)); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>

@@ -76,6 +76,17 @@ TQ_HD float half_bits_to_float(uint16_t h) {
 // Rounds to a binary16 value and back (what a stored fp16 field decodes to).
 TQ_HD float round_to_half(float f) { return half_bits_to_float(float_to_half_bits(f)); }
 
+// An fp16 output of a finite result: finite values past the fp16 range clamp to +-65504, inf and
+// NaN pass through. A value decoded from fp16 fields can land just past the range (zero + 15 *
+// scale rounds up to 65536 for values stored at 65504); it means "the largest magnitude", and an
+// fp16 output must not turn it into inf.
+TQ_HD float clamp_to_half_range(float x) {
+  constexpr float kHalfMax = 65504.0f, kFloatMax = 3.40282347e38f;
+  if (x > kHalfMax && x <= kFloatMax) return kHalfMax;
+  if (x < -kHalfMax && x >= -kFloatMax) return -kHalfMax;
+  return x;
+}
+
 // ---- FP8 e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf; 0x7f/0xff are NaN;
 // largest finite 448. Encoding rounds to nearest even and saturates to +-448 (inf included).
 constexpr float kFp8E4M3Max = 448.0f;

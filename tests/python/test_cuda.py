@@ -287,3 +287,20 @@ def test_out_of_range_indices_touch_nothing_on_cuda(preset):
                            torch.float32)
     assert rel_err(kg.cpu(), kc) <= 1e-6 and rel_err(vg.cpu(), vc) <= 1e-6
     assert torch.equal(gpu, before)
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_fp16_outputs_saturate_like_cpu(preset):
+    """Values stored at +-65504 decode past the fp16 range in fp32; fp16 outputs of dequantize
+    and decode clamp them to +-65504 on both devices (inf and NaN would pass through)."""
+    value = torch.full((1, 1, 128), 65504.0)
+    value[..., ::2] = -65504.0
+    cache = tq.allocate_kv_cache(1, 16, 1, 128, preset)
+    tq.store_kv(value.half(), value.half(), cache, torch.zeros(1, dtype=torch.int32), preset)
+    bt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    _, v_cpu = tq.dequantize(cache, bt, sl, preset, torch.float16)
+    _, v_gpu = tq.dequantize(cache.cuda(), bt.cuda(), sl.cuda(), preset, torch.float16)
+    assert torch.equal(v_gpu.cpu(), v_cpu) and v_cpu.abs().max() == 65504.0
+    q = torch.randn(1, 4, 128).half()
+    out = tq.decode(q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), preset, 0.1)
+    assert torch.isfinite(out).all() and out.abs().max().item() == 65504.0

@@ -35,6 +35,24 @@ def test_fp16_extremes_stay_finite(preset):
     assert v.min() == -65504.0 and abs(v.max().item() - 65504.0) <= 131008 / 15  # within one value step
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fp16_outputs_of_fp16_extremes_saturate_instead_of_overflowing(preset):
+    """Values stored at +-65504 decode (in fp32) to up to 65536; fp16 outputs clamp finite values
+    to +-65504 rather than turning them into inf. inf and NaN are not clamped (see below)."""
+    value = torch.full((1, 1, 128), 65504.0)
+    value[..., ::2] = -65504.0
+    cache = tq.allocate_kv_cache(1, 16, 1, 128, preset)
+    tq.store_kv(value.half(), value.half(), cache, torch.zeros(1, dtype=torch.int32), preset)
+    bt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    k32, v32 = tq.dequantize(cache, bt, sl, preset, torch.float32)
+    assert v32.max() > 65504.0, "the fp32 decode lands past the fp16 range (what this test is about)"
+    k16, v16 = tq.dequantize(cache, bt, sl, preset, torch.float16)
+    assert torch.isfinite(k16).all() and torch.isfinite(v16).all()
+    assert v16.max() == 65504.0 and v16.min() == -65504.0
+    out = tq.decode(torch.randn(1, 4, 128).half(), cache, bt, sl, preset, 0.1)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all() and out.abs().max() == 65504.0
+
+
 def test_fp8_keys_saturate():
     k, _ = _store_one("turboquant_k8v4", torch.linspace(-1000, 1000, 128), torch.zeros(128))
     assert k.max() == 448.0 and k.min() == -448.0
