@@ -6,19 +6,20 @@
 //   * 16-byte cp.async copies bring the tile's 16 slots (the aligned 16-byte chunks around each
 //     2-byte-aligned slot; two lanes per token row) into a per-warp shared-memory ring of
 //     kStages tiles. Block ids are loaded 32 tiles ahead, one per lane, so issuing a tile never
-//     waits on the block table;
+//     waits on the block table; each row's offset in its first chunk travels to the consumer
+//     in registers (4 bits per row), not through shared memory;
 //   * S^T = K~ Q^T on tensor cores (mma m16n8k16: tokens are the M dimension, heads the N), with
 //     A fragments dequantized straight into registers: a pair of Lloyd-Max indices indexes a
 //     bank-replicated half2 table (addressed in bytes, two ALU ops per lookup), FP8 pairs use the
-//     hardware e4m3x2 -> f16x2 conversion. The
-//     head dim is permuted so that each thread reads one contiguous chunk of the slot; the query
-//     fragments (rotated once per CTA by an FWHT in shared memory) use the same permutation;
+//     hardware e4m3x2 -> f16x2 conversion. The head dim is permuted so that each thread reads one
+//     contiguous chunk of the slot; the query fragments (rotated once per CTA by an FWHT in
+//     shared memory) use the same permutation;
 //   * scores times the stored norm, online softmax in the log2 domain;
 //   * O^T += V^T (P*scale)^T on tensor cores with the raw integer value codes as A
 //     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) q_t + sum_t p_t z_t), P transposed in
 //     registers by movmatrix.
 // Warps combine in shared memory; with several splits a merge kernel combines the per-split
-// results by log-sum-exp.
+// results by log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
