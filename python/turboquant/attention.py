@@ -10,6 +10,10 @@ prefill chunks. For every step the layer:
 A layer built with ``preset=None`` keeps a plain paged bf16/fp16 cache (the boundary layers that
 ``boundary_skip_layers`` selects) and runs every part with SDPA over the gathered cache.
 
+A pure-decode step (every sequence decodes one token) makes no host synchronisation, for either
+kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables
+and slot mappings written into the captured tensors.
+
 The threshold between decode_varlen and dequantize+SDPA is a placeholder (16) until it is measured
 on the GPU.
 """
@@ -44,16 +48,21 @@ class PagedAttentionLayer:
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.varlen_threshold = varlen_threshold
         if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]
-            self.cache = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+            rows = num_blocks * block_size
+            # One spare row past the cache takes the writes of padding / out-of-range slots, so a
+            # store needs no data-dependent indexing (no host sync).
+            self._rows = torch.zeros(rows + 1, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+            self.cache = self._rows[:rows].view(num_blocks, block_size, 2, num_kv_heads, head_dim)
         else:
             self.cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device)
 
     # ---- cache access
     def _store(self, key, value, slot_mapping):
         if self.preset is None:
-            flat = self.cache.view(-1, *self.cache.shape[2:])
-            valid = slot_mapping >= 0
-            flat[slot_mapping[valid].long()] = torch.stack([key[valid], value[valid]], dim=1).to(self.dtype)
+            spare = self._rows.shape[0] - 1
+            slots = slot_mapping.long()
+            rows = torch.where((slots >= 0) & (slots < spare), slots, spare)
+            self._rows.index_copy_(0, rows, torch.stack([key, value], dim=1).to(self.dtype))
         else:
             store_kv(key, value, self.cache, slot_mapping, self.preset)
 
@@ -76,20 +85,30 @@ class PagedAttentionLayer:
                                              v.transpose(0, 1).float().repeat_interleave(group, 0), attn_mask=mask, scale=scale)
         return out.transpose(0, 1).to(q.dtype)
 
+    def _decode(self, query, block_table, seq_lens, scale):
+        """One new token per sequence, query [B, Hq, D], without host synchronisation."""
+        if self.preset is not None:
+            return decode(query, self.cache, block_table, seq_lens, self.preset, scale)
+        k, v = self._dense(block_table, seq_lens)  # [B, N, Hkv, D]
+        group = query.shape[1] // k.shape[2]
+        visible = torch.arange(k.shape[1], device=query.device)[None, :] < seq_lens[:, None]  # [B, N]
+        out = F.scaled_dot_product_attention(
+            query.float().unsqueeze(2), k.transpose(1, 2).float().repeat_interleave(group, 1),
+            v.transpose(1, 2).float().repeat_interleave(group, 1), attn_mask=visible[:, None, None, :], scale=scale)
+        out = torch.where((seq_lens > 0)[:, None, None], out[:, :, 0], 0.0)  # like decode: 0 for empty
+        return out.to(query.dtype)
+
     def forward(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
         self._store(key, value, meta.slot_mapping)
+        nd = meta.num_decodes
+        if nd == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
+            return self._decode(query, meta.block_table, meta.seq_lens, scale)
         out = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
-        nd = meta.num_decodes
         if nd > 0:
-            if self.preset is None:
-                for b in range(nd):
-                    k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1])
-                    out[b] = self._sdpa(query[b:b + 1], k[0, :lens[b]], v[0, :lens[b]], scale, lens[b] - 1)[0]
-            else:
-                out[:nd] = decode(query[:nd], self.cache, meta.block_table[:nd], meta.seq_lens[:nd], self.preset, scale)
+            out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale)
         for b in range(nd, len(lens)):
             s, e = starts[b], starts[b + 1]
             q_len, cached_before = e - s, lens[b] - (e - s)

@@ -7,6 +7,7 @@ import torch
 
 import turboquant as tq
 from turboquant.attention import PagedAttentionLayer, StepMetadata
+from conftest import requires_cuda
 from reference import rel_err
 
 
@@ -62,6 +63,71 @@ def test_mixed_batch_matches_attention_over_the_cache(preset):
             sc = torch.einsum("hd,thd->ht", q[s + i].double(), kk) * 0.125
             ref = torch.einsum("ht,thd->hd", sc.softmax(-1), vv)
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)
+
+
+def _pure_decode_setup(preset, device):
+    """A layer whose 3 sequences hold 30, 17 and 0 tokens, and the next pure-decode step: the first
+    two decode one token each, the third is a padding row (slot -1, seq_len 0)."""
+    bs, hkv, hq, d = 16, 2, 8, 64
+    layer = PagedAttentionLayer(12, bs, hkv, d, preset, device=device, dtype=torch.float32)
+    block_table = torch.arange(12, dtype=torch.int32).view(3, 4).to(device)
+    g = torch.Generator().manual_seed(7)
+    meta = _step_meta(block_table.cpu(), [0, 0], [30, 17], 0, bs)
+    prefill = StepMetadata(meta.query_start_loc.to(device), meta.seq_lens.to(device), block_table[:2],
+                           meta.slot_mapping.to(device), 0)
+    layer.forward(*(torch.randn(47, h, d, generator=g).to(device) for h in (hq, hkv, hkv)), prefill, 0.125)
+    step = StepMetadata(torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=device),
+                        torch.tensor([31, 18, 0], dtype=torch.int32, device=device), block_table,
+                        torch.tensor([1 * 16 + 14, 5 * 16 + 1, -1], device=device), 3)
+    q, k, v = (torch.randn(3, h, d, generator=g).to(device) for h in (hq, hkv, hkv))
+    return layer, step, q, k, v
+
+
+@pytest.mark.parametrize("preset", [None, "turboquant_4bit_nc"])
+def test_pure_decode_step_matches_attention_over_the_cache(preset):
+    layer, step, q, k, v = _pure_decode_setup(preset, "cpu")
+    out = layer.forward(q, k, v, step, 0.125)
+    if preset is None:
+        keys = layer.cache[step.block_table.long()].flatten(1, 2)[:, :, 0]
+        values = layer.cache[step.block_table.long()].flatten(1, 2)[:, :, 1]
+    else:
+        keys, values = tq.dequantize(layer.cache, step.block_table, step.seq_lens, preset, torch.float32)
+    for b, n in enumerate(step.seq_lens.tolist()):
+        if n == 0:
+            assert (out[b] == 0).all(), "a padding row decodes to zeros"
+            continue
+        kk = keys[b, :n].double().repeat_interleave(4, 1)
+        vv = values[b, :n].double().repeat_interleave(4, 1)
+        sc = torch.einsum("hd,thd->ht", q[b].double(), kk) * 0.125
+        assert rel_err(out[b], torch.einsum("ht,thd->hd", sc.softmax(-1), vv)) < 1e-5, b
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", [None, "turboquant_4bit_nc"])
+def test_pure_decode_step_replays_in_a_cuda_graph(preset):
+    layer, step, q, k, v = _pure_decode_setup(preset, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        snapshot = layer.cache.clone()
+        layer.forward(q, k, v, step, 0.125)  # warm-up outside capture
+        layer.cache.copy_(snapshot)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.forward(q, k, v, step, 0.125)
+    for lens, slots in (([31, 18, 0], [30, 81, -1]), ([32, 19, 1], [31, 82, 128])):
+        step.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        step.slot_mapping.copy_(torch.tensor(slots))
+        for t in (q, k, v):
+            t.normal_()
+        before = layer.cache.clone()
+        graph.replay()
+        replayed, after = out.clone(), layer.cache.clone()
+        layer.cache.copy_(before)
+        eager = layer.forward(q, k, v, step, 0.125)
+        assert torch.equal(after, layer.cache)
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
 
 
 def test_readme_serving_example_runs():
