@@ -69,3 +69,13 @@ def compare_slot(got: bytes, key: torch.Tensor, value: torch.Tensor, preset: str
 def slot_bytes(cache: torch.Tensor, slot: int, head: int) -> bytes:
     block_size = cache.shape[1]
     return bytes(cache[slot // block_size, slot % block_size, head].cpu().tolist())
+
+
+def store_fp16_extremes(preset: str, head_dim: int = 128):
+    """One token whose key and value alternate -65504 / +65504 (the fp16 limits), stored on the CPU.
+    Returns (kv_cache, block_table, seq_lens) for reading it back."""
+    value = torch.full((1, 1, head_dim), 65504.0)
+    value[..., ::2] = -65504.0
+    cache = tq.allocate_kv_cache(1, 16, 1, head_dim, preset)
+    tq.store_kv(value.half(), value.half(), cache, torch.zeros(1, dtype=torch.int32), preset)
+    return cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)

@@ -6,7 +6,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch
+from helpers import make_paged_batch, store_fp16_extremes
 from reference import rel_err
 
 pytestmark = requires_cuda
@@ -293,11 +293,7 @@ def test_out_of_range_indices_touch_nothing_on_cuda(preset):
 def test_fp16_outputs_saturate_like_cpu(preset):
     """Values stored at +-65504 decode past the fp16 range in fp32; fp16 outputs of dequantize
     and decode clamp them to +-65504 on both devices (inf and NaN would pass through)."""
-    value = torch.full((1, 1, 128), 65504.0)
-    value[..., ::2] = -65504.0
-    cache = tq.allocate_kv_cache(1, 16, 1, 128, preset)
-    tq.store_kv(value.half(), value.half(), cache, torch.zeros(1, dtype=torch.int32), preset)
-    bt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    cache, bt, sl = store_fp16_extremes(preset)
     _, v_cpu = tq.dequantize(cache, bt, sl, preset, torch.float16)
     _, v_gpu = tq.dequantize(cache.cuda(), bt.cuda(), sl.cuda(), preset, torch.float16)
     assert torch.equal(v_gpu.cpu(), v_cpu) and v_cpu.abs().max() == 65504.0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import turboquant as tq
-from helpers import make_paged_batch
+from helpers import make_paged_batch, store_fp16_extremes
 
 PRESETS = list(tq.PRESETS)
 
@@ -39,11 +39,7 @@ def test_fp16_extremes_stay_finite(preset):
 def test_fp16_outputs_of_fp16_extremes_saturate_instead_of_overflowing(preset):
     """Values stored at +-65504 decode (in fp32) to up to 65536; fp16 outputs clamp finite values
     to +-65504 rather than turning them into inf. inf and NaN are not clamped (see below)."""
-    value = torch.full((1, 1, 128), 65504.0)
-    value[..., ::2] = -65504.0
-    cache = tq.allocate_kv_cache(1, 16, 1, 128, preset)
-    tq.store_kv(value.half(), value.half(), cache, torch.zeros(1, dtype=torch.int32), preset)
-    bt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    cache, bt, sl = store_fp16_extremes(preset)
     k32, v32 = tq.dequantize(cache, bt, sl, preset, torch.float32)
     assert v32.max() > 65504.0, "the fp32 decode lands past the fp16 range (what this test is about)"
     k16, v16 = tq.dequantize(cache, bt, sl, preset, torch.float16)
