@@ -41,8 +41,8 @@ def replace_section(path: str, name: str, body: str) -> None:
         f.write(text)
 
 
-def markdown_table(title: str, axis: str, xs: list[int], series: dict[str, list[float]]) -> str:
-    lines = [f"**{title}** (µs)", "", f"| {axis} | " + " | ".join(series) + " |", "|" + "---|" * (len(series) + 1)]
+def markdown_table(title: str, axis: str, xs: list[int], series: dict[str, list[float]], unit: str = "µs") -> str:
+    lines = [f"**{title}** ({unit})", "", f"| {axis} | " + " | ".join(series) + " |", "|" + "---|" * (len(series) + 1)]
     for i, x in enumerate(xs):
         lines.append(f"| {x} | " + " | ".join(f"{series[s][i]:.1f}" for s in series) + " |")
     return "\n".join(lines) + "\n"
@@ -100,6 +100,12 @@ def measure(quick: bool) -> dict:
     return results
 
 
+def store_gbs(preset: str, tokens: int, us: float) -> float:
+    """Bytes a store must move (read bf16 K and V, write the slots) per second, in GB/s."""
+    moved = tokens * HKV * (2 * HEAD_DIM * 2 + tq.slot_layout(preset, HEAD_DIM).slot_size_aligned)
+    return moved / (us * 1e-6) / 1e9
+
+
 def report(results: dict, out: str, gpu: str, commit: str) -> None:
     folder = os.path.dirname(os.path.abspath(out))
     axes = results["axes"]
@@ -116,6 +122,9 @@ def report(results: dict, out: str, gpu: str, commit: str) -> None:
         markdown_table("Decode, B=1, by context", "context", axes["context"], results["context"]),
         markdown_table("Decode, L=8192, by batch", "batch", axes["batch"], results["batch"]),
         markdown_table("Store, by tokens", "tokens", axes["store"], results["store"]),
+        markdown_table("Store throughput, by tokens", "tokens", axes["store"],
+                       {p: [store_gbs(p, n, us) for n, us in zip(axes["store"], results["store"][p])]
+                        for p in results["store"]}, unit="GB/s over the bytes moved"),
     ])
     replace_section(out, "speed", body)
 
