@@ -11,9 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <cstdio>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
 namespace turboquant {
@@ -21,16 +19,9 @@ namespace message_detail {
 
 inline void append(std::string& s, const char* v) { s += v; }
 inline void append(std::string& s, const std::string& v) { s += v; }
-inline void append(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
-inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
-template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 void append(std::string& s, T v) {
   s += std::to_string(v);
-}
-inline void append(std::string& s, double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  s += buf;
 }
 inline void append(std::string& s, c10::IntArrayRef v) {
   s += '[';
