@@ -26,6 +26,7 @@
 #include <cmath>
 
 #include "device_utils.cuh"
+#include "dispatch.cuh"
 #include "launchers.h"
 #include "turboquant/numeric.h"
 #include "turboquant/split_plan.h"
@@ -166,10 +167,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 
   // Block ids, 32 tiles per window: lane i holds the block of local tile 32 * window + i. The
   // next window is loaded when the current one starts, so its latency hides behind 32 tiles.
+  auto tile_start = [&](int local_tile) { return range.begin + (warp + local_tile * kWarps) * kTokenTile; };
   auto load_block_ids = [&](int window) -> int {
     const int local = window * 32 + lane;
-    if (local >= my_tiles) return -1;
-    return block_row[(range.begin + (warp + local * kWarps) * kTokenTile) >> block_shift];
+    return local < my_tiles ? block_row[tile_start(local) >> block_shift] : -1;
   };
   int block_ids = load_block_ids(0), next_block_ids = load_block_ids(1);
 
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       next_block_ids = load_block_ids((local_tile >> 5) + 1);
     }
     const int64_t block = __shfl_sync(kFullMask, block_ids, local_tile & 31);
-    const int t0 = range.begin + (warp + local_tile * kWarps) * kTokenTile;  // a tile never straddles blocks
+    const int t0 = tile_start(local_tile);  // a tile never straddles blocks
     const int r = lane & 15, half = lane >> 4;
     const bool row_ok = block >= 0 && block < p.cache.num_blocks && t0 + r < range.end;
     const int64_t slot = block * p.cache.stride_block +
@@ -497,36 +498,34 @@ struct ResidentCtas {
   }
 };
 
-// Calls visit.run<C, T>() with the kernel configuration of p (preset, head_dim, element type).
-template <int D, typename T, class Visit>
-cudaError_t visit_preset(const DecodeParams& p, const Visit& visit) {
-  const SlotLayout& L = p.layout;
-  if (L.key_format == KeyFormat::kFp8 && L.value_bits == 4) return visit.template run<DecodeConfig<D, true, 8, 4>, T>();
-  if constexpr (D != 96) {
-    if (L.key_bits == 4 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 4, 4>, T>();
-    if (L.key_bits == 3 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 3, 4>, T>();
-    if (L.key_bits == 3 && L.value_bits == 3) return visit.template run<DecodeConfig<D, false, 3, 3>, T>();
+// The bit widths of p's preset -> visit.run<DecodeConfig<...>, T>(); called by dispatch_head_dim
+// (dispatch.cuh) with the element type, head dim and key format already compile-time.
+template <class Visit>
+struct VisitPreset {
+  const DecodeParams& p;
+  const Visit& visit;
+  template <typename T, int D, bool kFp8Key>
+  cudaError_t run() const {
+    const SlotLayout& L = p.layout;
+    if constexpr (kFp8Key) {
+      if (L.value_bits == 4) return visit.template run<DecodeConfig<D, true, 8, 4>, T>();
+    } else {
+      if (L.key_bits == 4 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 4, 4>, T>();
+      if (L.key_bits == 3 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 3, 4>, T>();
+      if (L.key_bits == 3 && L.value_bits == 3) return visit.template run<DecodeConfig<D, false, 3, 3>, T>();
+    }
+    return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
-}
+};
 
-template <typename T, class Visit>
-cudaError_t visit_head_dim(const DecodeParams& p, const Visit& visit) {
-  switch (p.layout.head_dim) {
-    case 64: return visit_preset<64, T>(p, visit);
-    case 96: return visit_preset<96, T>(p, visit);
-    case 128: return visit_preset<128, T>(p, visit);
-    case 256: return visit_preset<256, T>(p, visit);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
+// Calls visit.run<C, T>() with the kernel configuration of p (preset, head_dim, query type).
 template <class Visit>
 cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
   if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
+  const VisitPreset<Visit> preset{p, visit};
   switch (p.dtype) {
-    case ElementType::kHalf: return visit_head_dim<__half>(p, visit);
-    case ElementType::kBFloat16: return visit_head_dim<__nv_bfloat16>(p, visit);
+    case ElementType::kHalf: return dispatch_head_dim<__half>(p.layout, preset);
+    case ElementType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p.layout, preset);
     default: return cudaErrorInvalidValue;
   }
 }

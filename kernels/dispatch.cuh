@@ -1,5 +1,6 @@
 // Runtime (element type, head_dim, key format) -> compile-time kernel parameters, for the
-// one-warp-per-slot kernels (store, dequantize). The single list of head dims they are built for.
+// one-warp-per-slot kernels (store, dequantize) and the decode (which adds the bit widths). The
+// single list of head dims the kernels are built for.
 #pragma once
 
 #include <cuda_bf16.h>
