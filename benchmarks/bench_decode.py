@@ -31,20 +31,21 @@ SHAPES = {  # (B, Hq, Hkv, L)
 HEAD_DIM, BLOCK_SIZE = 128, 16
 
 
-def build_cache(preset, b, hkv, length, gen_seed=0):
-    """A randomly filled packed cache (written by store_kv) with a shuffled block table."""
-    blocks_per_seq = length // BLOCK_SIZE
+def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_major=False, shuffled=True):
+    """A randomly filled packed cache (written by store_kv) and its block table (shuffled blocks
+    unless shuffled=False)."""
+    blocks_per_seq = length // block_size
     num_blocks = b * blocks_per_seq
-    cache = tq.allocate_kv_cache(num_blocks, BLOCK_SIZE, hkv, HEAD_DIM, preset, "cuda")
+    cache = tq.allocate_kv_cache(num_blocks, block_size, hkv, HEAD_DIM, preset, "cuda", head_major=head_major)
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
     chunk = 65536
-    for start in range(0, num_blocks * BLOCK_SIZE, chunk):
-        n = min(chunk, num_blocks * BLOCK_SIZE - start)
+    for start in range(0, num_blocks * block_size, chunk):
+        n = min(chunk, num_blocks * block_size - start)
         k = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
         tq.store_kv(k, v, cache, torch.arange(start, start + n, device="cuda"), preset)
-    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(b, blocks_per_seq).int()
-    return cache, block_table
+    order = torch.randperm(num_blocks, device="cuda", generator=g) if shuffled else torch.arange(num_blocks, device="cuda")
+    return cache, order.view(b, blocks_per_seq).int()
 
 
 def sdpa_best_us(b, hq, hkv, length):

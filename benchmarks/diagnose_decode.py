@@ -16,23 +16,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache  # noqa: E402
 from timing import copy_bandwidth_gbs, time_us  # noqa: E402
 
-HEAD_DIM = 128
-
-
-def packed_cache(preset, b, hkv, length, block_size, head_major, shuffled):
-    blocks_per_seq = length // block_size
-    num_blocks = b * blocks_per_seq
-    cache = tq.allocate_kv_cache(num_blocks, block_size, hkv, HEAD_DIM, preset, "cuda", head_major=head_major)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    chunk = 65536
-    for start in range(0, num_blocks * block_size, chunk):
-        n = min(chunk, num_blocks * block_size - start)
-        k = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-        tq.store_kv(k, k, cache, torch.arange(start, start + n, device="cuda"), preset)
-    order = torch.randperm(num_blocks, device="cuda", generator=g) if shuffled else torch.arange(num_blocks, device="cuda")
-    return cache, order.view(b, blocks_per_seq).int()
 
 
 def main():
@@ -55,7 +41,8 @@ def main():
     seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
     for name, change in variants:
         v = {**base, **change}
-        cache, bt = packed_cache(v["preset"], b, hkv, length, v["block_size"], v["head_major"], v["shuffled"])
+        cache, bt = build_cache(v["preset"], b, hkv, length, block_size=v["block_size"], head_major=v["head_major"],
+                                shuffled=v["shuffled"])
         us = time_us([lambda: tq.decode(q, cache, bt, seq_lens, v["preset"], HEAD_DIM ** -0.5, v["splits"])])
         packed = b * hkv * length * tq.slot_layout(v["preset"], HEAD_DIM).slot_size_aligned
         pct = 100 * packed / (us * 1e-6) / 1e9 / copy_bw
