@@ -16,7 +16,7 @@ void encode_slot(const float* key, const float* value, const SlotLayout& layout,
   if (layout.key_format == KeyFormat::kFp8) {
     for (int i = 0; i < d; ++i) slot[i] = float_to_fp8_e4m3(key[i]);
   } else {
-    const float norm = std::sqrt(sum_of_squares_warp_order(key, d));
+    const float norm = std::sqrt(sum_of_squares_lane_order(key, d));
     const float denom = norm + kKeyNormEpsilon;
     std::vector<float> y(d);
     for (int i = 0; i < d; ++i) y[i] = key[i] / denom;
@@ -29,7 +29,7 @@ void encode_slot(const float* key, const float* value, const SlotLayout& layout,
     }
     pack_indices(idx.data(), d, layout.key_bits, slot);
     const float stored =
-        norm_correction ? norm / std::sqrt(sum_of_squares_warp_order(c.data(), d)) : norm;
+        norm_correction ? norm / std::sqrt(sum_of_squares_lane_order(c.data(), d)) : norm;
     store_half_field(slot, layout.key_norm_offset, key_norm_half_bits(stored));
   }
   float vmin = value[0], vmax = value[0];

@@ -442,13 +442,6 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const DecodeParams p,
   }
 }
 
-int device_sm_count() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 132;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 132;
-  return sms;
-}
-
 int head_chunks_of(const DecodeParams& p) {
   return cdiv(p.num_q_heads / p.cache.num_kv_heads, kHeads);
 }
@@ -498,23 +491,13 @@ struct ResidentCtas {
   }
 };
 
-// The bit widths of p's preset -> visit.run<DecodeConfig<...>, T>(); called by dispatch_head_dim
-// (dispatch.cuh) with the element type, head dim and key format already compile-time.
+// Adapts VisitPresetBits (dispatch.cuh) to the decode visitors: visit.run<DecodeConfig<...>, T>().
 template <class Visit>
-struct VisitPreset {
-  const DecodeParams& p;
+struct AsDecodeConfig {
   const Visit& visit;
-  template <typename T, int D, bool kFp8Key>
+  template <typename T, int D, int kKeyBits, int kValueBits>
   cudaError_t run() const {
-    const SlotLayout& L = p.layout;
-    if constexpr (kFp8Key) {
-      if (L.value_bits == 4) return visit.template run<DecodeConfig<D, true, 8, 4>, T>();
-    } else {
-      if (L.key_bits == 4 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 4, 4>, T>();
-      if (L.key_bits == 3 && L.value_bits == 4) return visit.template run<DecodeConfig<D, false, 3, 4>, T>();
-      if (L.key_bits == 3 && L.value_bits == 3) return visit.template run<DecodeConfig<D, false, 3, 3>, T>();
-    }
-    return cudaErrorInvalidValue;
+    return visit.template run<DecodeConfig<D, kKeyBits == 8, kKeyBits, kValueBits>, T>();
   }
 };
 
@@ -522,7 +505,8 @@ struct VisitPreset {
 template <class Visit>
 cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
   if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
-  const VisitPreset<Visit> preset{p, visit};
+  const AsDecodeConfig<Visit> as_config{visit};
+  const VisitPresetBits<AsDecodeConfig<Visit>> preset{p.layout, as_config};
   switch (p.dtype) {
     case ElementType::kHalf: return dispatch_head_dim<__half>(p.layout, preset);
     case ElementType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p.layout, preset);

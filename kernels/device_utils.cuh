@@ -33,36 +33,42 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ float from_float<float>(float v) { return v; }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Reductions over aligned groups of G lanes (G a power of two up to 32; G = 32 is the warp):
+// every lane of the group gets the result. All 32 lanes must call them.
+template <int G = 32>
+__device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(kFullMask, v, off);
+  for (int off = G / 2; off > 0; off >>= 1) v = v + __shfl_xor_sync(kFullMask, v, off);
   return v;
 }
-__device__ __forceinline__ float warp_min(float v) {
+template <int G = 32>
+__device__ __forceinline__ float group_min(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fminf(v, __shfl_xor_sync(kFullMask, v, off));
+  for (int off = G / 2; off > 0; off >>= 1) v = fminf(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
+template <int G = 32>
+__device__ __forceinline__ float group_max(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
+  for (int off = G / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
 
-// Sum of squares of a vector held E elements per lane, in the order of
-// sum_of_squares_warp_order (quantize.h), so CPU and GPU agree bit for bit.
-template <int E>
-__device__ __forceinline__ float warp_sum_of_squares(const float (&x)[E]) {
+// Sum of squares of a vector held E elements per lane by a group of G lanes, in the order of
+// sum_of_squares_lane_order (quantize.h, G = vector_lanes(n)), so CPU and GPU agree bit for bit.
+template <int E, int G>
+__device__ __forceinline__ float group_sum_of_squares(const float (&x)[E]) {
   float s = 0.0f;
 #pragma unroll
   for (int j = 0; j < E; ++j) s += mul_rn(x[j], x[j]);
-  return warp_sum(s);
+  return group_sum<G>(s);
 }
 
-// Unnormalized Walsh-Hadamard transform of a vector of 32*E elements, lane i holding
-// [i*E, (i+1)*E). Same stage order and the same (a + b, a - b) butterflies as fwht_inplace.
-template <int E>
-__device__ __forceinline__ void warp_fwht(float (&x)[E], int lane) {
+// Unnormalized Walsh-Hadamard transform of a vector of G*E elements held by a group of G lanes,
+// lane i of the group holding [i*E, (i+1)*E). Same stage order and the same (a + b, a - b)
+// butterflies as fwht_inplace, so the results are bit-identical.
+template <int E, int G = 32>
+__device__ __forceinline__ void group_fwht(float (&x)[E], int lane) {
 #pragma unroll
   for (int h = 1; h < E; h <<= 1) {
 #pragma unroll
@@ -75,13 +81,12 @@ __device__ __forceinline__ void warp_fwht(float (&x)[E], int lane) {
     }
   }
 #pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
+  for (int m = 1; m < G; m <<= 1) {
+    // Upper lanes keep a - b = fma(b, -1, a), lower lanes a + b = fma(a, 1, b): one rounding
+    // each, the same results as the two branches, in one FFMA instead of two adds and a select.
+    const float sign = (lane & m) != 0 ? -1.0f : 1.0f;
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const float other = __shfl_xor_sync(kFullMask, x[j], m);
-      x[j] = upper ? other - x[j] : x[j] + other;
-    }
+    for (int j = 0; j < E; ++j) x[j] = __fmaf_rn(x[j], sign, __shfl_xor_sync(kFullMask, x[j], m));
   }
 }
 

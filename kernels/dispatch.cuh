@@ -25,6 +25,26 @@ cudaError_t dispatch_head_dim(const SlotLayout& layout, const Launch& launch) {
   }
 }
 
+// The preset's bit widths made compile-time on top of dispatch_head_dim: calls
+// visit.run<T, D, kKeyBits, kValueBits>() with kKeyBits 8 for FP8 keys. The presets of SPEC §2:
+// k8v4, 4bit_nc (4, 4), k3v4_nc (3, 4), 3bit_nc (3, 3).
+template <class Visit>
+struct VisitPresetBits {
+  const SlotLayout& layout;
+  const Visit& visit;
+  template <typename T, int D, bool kFp8Key>
+  cudaError_t run() const {
+    if constexpr (kFp8Key) {
+      if (layout.value_bits == 4) return visit.template run<T, D, 8, 4>();
+    } else {
+      if (layout.key_bits == 4 && layout.value_bits == 4) return visit.template run<T, D, 4, 4>();
+      if (layout.key_bits == 3 && layout.value_bits == 4) return visit.template run<T, D, 3, 4>();
+      if (layout.key_bits == 3 && layout.value_bits == 3) return visit.template run<T, D, 3, 3>();
+    }
+    return cudaErrorInvalidValue;
+  }
+};
+
 template <class Launch>
 cudaError_t dispatch_slot_kernel(ElementType dtype, const SlotLayout& layout, const Launch& launch) {
   switch (dtype) {

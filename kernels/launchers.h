@@ -66,6 +66,9 @@ struct DequantizeParams {
 // Head dims the kernels are compiled for (FP8 keys also 96: no rotation needed).
 bool cuda_supports_head_dim(const SlotLayout& layout);
 
+// Multiprocessors of the current device (132 if it cannot be asked).
+int device_sm_count();
+
 // Split-KV count the decode picks for these shapes on the current device.
 int decode_default_num_splits(const DecodeParams& p);
 

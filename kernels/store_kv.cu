@@ -1,21 +1,28 @@
-// Fused store: one warp quantizes one (token, KV head) and writes its packed slot, in a single
-// launch for the whole batch. Key: norm (warp reduction), normalize, Hadamard rotation as an
-// in-register FWHT with shuffles, Lloyd-Max bucketing, norm correction folded into the stored
-// norm (or FP8 e4m3). Value: warp min/max, fp16 scale/zero, codes. Packed bytes are assembled in
-// shared memory and written with 16-bit stores (slots are only 2-byte aligned).
+// Fused store: quantizes (token, KV head) vectors and writes their packed slots, one launch for
+// the whole batch. A group of G = vector_lanes(D) lanes holds one vector, E = D / G elements per
+// lane (16 for D = 64, 128, 256), so a warp stores 32 / G vectors at a time and every reduction is
+// log2(G) shuffles. Key: norm (group reduction), normalization (a shared reciprocal with an exact
+// correction, not one IEEE division per element), Hadamard rotation as an in-register FWHT with
+// shuffles, Lloyd-Max bucketing by grid lookup, norm correction folded into the stored norm (or
+// FP8 e4m3). Value: group min/max, fp16 scale/zero, codes. Each lane packs its own piece of the
+// index streams in registers and writes it with 16-bit stores (slots are only 2-byte aligned).
+// Same bytes as the CPU reference (csrc/slot_codec.cpp): the shared rules live in include/.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "device_utils.cuh"
 #include "dispatch.cuh"
 #include "launchers.h"
+#include "turboquant/lloyd_max_grid.h"
 #include "turboquant/numeric.h"
 #include "turboquant/packing.h"
 
 namespace turboquant {
 namespace {
 
-constexpr int kStoreWarpsPerBlock = 8;
-constexpr int kMaxSlotBytes = 400;  // D=256 k8v4 slot is 388
+constexpr int kStoreWarps = 8;
+constexpr int kStoreCtasPerSm = 16;  // a grid-stride loop covers the rest: the tables load once per CTA
 
 // Loads E consecutive elements (E * sizeof(T) bytes, aligned to that: the glue checks 16-byte
 // aligned inputs) with the widest vector load that fits.
@@ -37,115 +44,181 @@ __device__ __forceinline__ void load_elements(const T* src, float (&out)[E]) {
   for (int j = 0; j < E; ++j) out[j] = device::to_float(vals[j]);
 }
 
-struct alignas(4) WarpScratch {
-  uint8_t slot[kMaxSlotBytes];
-  uint8_t index[256];  // quantization indices of the current field, one byte each
-};
-
-template <int E>
-__device__ __forceinline__ void pack_indices_to_slot(WarpScratch& ws, int lane, int bits, int offset) {
-  // Lane g packs group g (8 indices -> `bits` bytes), the same rule as the CPU (packing.h).
-  __syncwarp();
-  constexpr int kGroups = E * 32 / 8;
+// Writes the first kBytes (even) of a little-endian word stream with 16-bit stores.
+template <int kBytes, int NW>
+__device__ __forceinline__ void store_halfwords(uint8_t* dst, const uint32_t (&words)[NW]) {
+  static_assert(kBytes % 2 == 0 && kBytes <= 4 * NW, "whole halfwords of the packed words");
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
 #pragma unroll
-  for (int g = lane; g < kGroups; g += 32) pack_group_of_8(ws.index + 8 * g, bits, ws.slot + offset + bits * g);
+  for (int h = 0; h < kBytes / 2; ++h) out[h] = static_cast<uint16_t>(words[h / 2] >> (16 * (h % 2)));
 }
 
-template <typename T, int D, bool kFp8Key>
-__global__ void __launch_bounds__(kStoreWarpsPerBlock * 32)
-    store_kv_kernel(const StoreParams p, const float rsqrt_d) {
-  constexpr int E = D / 32;  // elements per lane
-  __shared__ WarpScratch scratch[kStoreWarpsPerBlock];
-  __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
-  if (threadIdx.x < kMaxCodebookLevels) {
-    centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
-    midpoint[threadIdx.x] = threadIdx.x < kMaxCodebookLevels - 1 ? p.codebook.midpoint[threadIdx.x] : INFINITY;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + warp;
+// Where vector `item` (= token * heads + head) goes; a negative slot when there is nothing to write
+// (past the batch, padding, or past the cache).
+struct Destination {
+  int64_t slot;
+  int head;
+};
+
+__device__ __forceinline__ Destination destination_of(const StoreParams& p, int64_t item, int64_t vectors) {
+  if (item >= vectors) return {-1, 0};
   const int heads = p.cache.num_kv_heads;
-  if (item >= p.num_tokens * heads) return;
-  const int64_t token = item / heads;
-  const int head = static_cast<int>(item % heads);
-  const int64_t slot_index = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[token]
-                                                  : static_cast<const int32_t*>(p.slot_mapping)[token];
-  if (slot_index < 0 || slot_index >= p.cache.num_blocks * p.cache.block_size) return;  // padding / out of range
-  WarpScratch& ws = scratch[warp];
-  const SlotLayout& L = p.layout;
-
-  float k[E], v[E];
-  load_elements<T, E>(static_cast<const T*>(p.key) + item * D + lane * E, k);
-  load_elements<T, E>(static_cast<const T*>(p.value) + item * D + lane * E, v);
-
-  // ---- key
-  uint16_t key_norm_bits = 0;
-  if constexpr (kFp8Key) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) ws.slot[lane * E + j] = float_to_fp8_e4m3(k[j]);
+  int64_t token;
+  if (vectors <= 0xffffffffLL) {  // 32-bit division: a 64-bit one is a long subroutine
+    token = static_cast<uint32_t>(item) / static_cast<uint32_t>(heads);
   } else {
-    const float norm = sqrtf(device::warp_sum_of_squares<E>(k));
-    const float denom = norm + kKeyNormEpsilon;
-#pragma unroll
-    for (int j = 0; j < E; ++j) k[j] = k[j] / denom;
-    device::warp_fwht<E>(k, lane);
-    float c[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const uint32_t idx = lloyd_max_index(k[j] * rsqrt_d, midpoint, p.codebook.levels);
-      ws.index[lane * E + j] = static_cast<uint8_t>(idx);
-      c[j] = centroid[idx];
+    token = item / heads;
+  }
+  const int head = static_cast<int>(item - token * heads);
+  const int64_t slot = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[token]
+                                            : static_cast<const int32_t*>(p.slot_mapping)[token];
+  const bool inside = slot >= 0 && slot < p.cache.num_blocks * p.cache.block_size;
+  return {inside ? slot : -1, head};
+}
+
+template <typename T, int D, int kKeyBits, int kValueBits>
+__global__ void __launch_bounds__(kStoreWarps * 32)
+    store_kv_kernel(const StoreParams p, const LloydMaxGrid grid, const float rsqrt_d, const int block_shift) {
+  constexpr bool kFp8Key = kKeyBits == 8;
+  constexpr int G = vector_lanes(D);  // lanes per vector
+  constexpr int E = D / G;            // elements per lane
+  constexpr int kVectorsPerWarp = 32 / G;
+  constexpr int kKeyChunk = E * kKeyBits / 8, kValueChunk = E * kValueBits / 8;  // bytes per lane
+  static_assert(G * E == D && kKeyChunk % 2 == 0 && kValueChunk % 2 == 0, "lane pieces are whole halfwords");
+
+  __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
+  __shared__ GridCell cells[kGridCells];
+  if constexpr (!kFp8Key) {
+    for (int i = threadIdx.x; i < kGridCells; i += blockDim.x) cells[i] = grid.cell[i];
+    if (threadIdx.x < kMaxCodebookLevels) {
+      centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
+      midpoint[threadIdx.x] = threadIdx.x < kMaxCodebookLevels - 1 ? p.codebook.midpoint[threadIdx.x] : INFINITY;
     }
-    const float stored = p.norm_correction ? norm / sqrtf(device::warp_sum_of_squares<E>(c)) : norm;
-    pack_indices_to_slot<E>(ws, lane, L.key_bits, 0);
-    key_norm_bits = key_norm_half_bits(stored);
+    __syncthreads();
   }
+  const int lane = threadIdx.x & 31;
+  const int part = lane & (G - 1);  // which E elements of its vector this lane holds
+  const SlotLayout& L = p.layout;
+  const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kStoreWarps * kVectorsPerWarp;
 
-  // ---- value
-  float vmin = v[0], vmax = v[0];
+  // Warp-uniform loop: every lane reaches every shuffle, lanes past the batch compute on zeros.
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kStoreWarps + threadIdx.x / 32) * kVectorsPerWarp;
+       first < vectors; first += step) {
+    const int64_t item = first + lane / G;
+    const Destination dst = destination_of(p, item, vectors);
+    float k[E], v[E];
+    if (item < vectors) {
+      load_elements<T, E>(static_cast<const T*>(p.key) + item * D + part * E, k);
+      load_elements<T, E>(static_cast<const T*>(p.value) + item * D + part * E, v);
+    } else {
 #pragma unroll
-  for (int j = 1; j < E; ++j) {
-    vmin = fminf(vmin, v[j]);
-    vmax = fmaxf(vmax, v[j]);
-  }
-  vmin = device::warp_min(vmin);
-  vmax = device::warp_max(vmax);
-  const ValueQuantParams q = value_quant_params(vmin, vmax, L.value_bits);
-  __syncwarp();  // key packing finished reading ws.index
-#pragma unroll
-  for (int j = 0; j < E; ++j) ws.index[lane * E + j] = static_cast<uint8_t>(value_code(v[j], q, L.value_bits));
-  pack_indices_to_slot<E>(ws, lane, L.value_bits, L.value_data_offset);
-  __syncwarp();  // every packed byte is in place
-  if (lane == 0) {
-    // The fp16 fields sit at even offsets: one 16-bit store each, after all byte packing.
-    uint16_t* halves = reinterpret_cast<uint16_t*>(ws.slot);
-    if constexpr (!kFp8Key) halves[L.key_norm_offset / 2] = key_norm_bits;
-    halves[L.value_scale_offset / 2] = q.scale_bits;
-    halves[L.value_zero_offset / 2] = q.zero_bits;
-    if (L.slot_size_aligned > L.slot_size) ws.slot[L.slot_size] = 0;  // padding byte
-  }
-  __syncwarp();
+      for (int j = 0; j < E; ++j) k[j] = v[j] = 0.0f;
+    }
 
-  // ---- write the slot with 16-bit stores (slot_size_aligned is even, slots 2-byte aligned)
-  const int64_t block = slot_index / p.cache.block_size;
-  const int64_t offset = slot_index % p.cache.block_size;
-  uint16_t* dst = reinterpret_cast<uint16_t*>(p.cache.data + block * p.cache.stride_block +
-                                              offset * p.cache.stride_token + head * p.cache.stride_head);
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(ws.slot);
-  for (int w = lane; w < L.slot_size_aligned / 2; w += 32) dst[w] = src[w];
+    // ---- key
+    uint32_t key_words[(E * kKeyBits + 31) / 32];
+    uint16_t key_norm_bits = 0;
+    if constexpr (kFp8Key) {
+      uint32_t codes[E];
+#pragma unroll
+      for (int j = 0; j < E; ++j) codes[j] = float_to_fp8_e4m3(k[j]);
+      pack_codes<E, 8>(codes, key_words);
+    } else {
+      const float norm = sqrtf(device::group_sum_of_squares<E, G>(k));
+      const float denom = norm + kKeyNormEpsilon;
+      // A finite key's normalized rotated coordinates are at most 1 in magnitude, where both the
+      // shared reciprocal and the grid are exact; anything else takes the plain path.
+      const bool finite_key = isfinite(norm) && reciprocal_division_exact(denom);
+      if (finite_key) {
+        const float reciprocal = 1.0f / denom;
+#pragma unroll
+        for (int j = 0; j < E; ++j) k[j] = divide_by_reciprocal(k[j], denom, reciprocal);
+      } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) k[j] = k[j] / denom;
+      }
+      device::group_fwht<E, G>(k, lane);
+      uint32_t idx[E];
+      if (finite_key && grid.usable) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          const float y = mul_rn(k[j], rsqrt_d);
+          idx[j] = lloyd_max_index_on_grid(y, cells[grid_cell(y, grid.scale, grid.biased_offset)]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) idx[j] = lloyd_max_index(mul_rn(k[j], rsqrt_d), midpoint, 1 << kKeyBits);
+      }
+      pack_codes<E, kKeyBits>(idx, key_words);
+      float stored = norm;
+      if (p.norm_correction) {
+        float c[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) c[j] = centroid[idx[j]];
+        stored = norm / sqrtf(device::group_sum_of_squares<E, G>(c));
+      }
+      key_norm_bits = key_norm_half_bits(stored);
+    }
+
+    // ---- value
+    float vmin = v[0], vmax = v[0];
+#pragma unroll
+    for (int j = 1; j < E; ++j) {
+      vmin = fminf(vmin, v[j]);
+      vmax = fmaxf(vmax, v[j]);
+    }
+    const ValueQuantParams q =
+        value_quant_params(device::group_min<G>(vmin), device::group_max<G>(vmax), kValueBits);
+    uint32_t codes[E];
+    // A finite zero and scale bound every quotient of a finite value (and a non-finite value
+    // makes one of them non-finite): the shared reciprocal applies.
+    if (q.scale != 0.0f && reciprocal_division_exact(q.scale) && isfinite(q.zero)) {
+      const float reciprocal = 1.0f / q.scale;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        codes[j] = value_code_of_quotient(divide_by_reciprocal(v[j] - q.zero, q.scale, reciprocal), kValueBits);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < E; ++j) codes[j] = value_code(v[j], q, kValueBits);
+    }
+    uint32_t value_words[(E * kValueBits + 31) / 32];
+    pack_codes<E, kValueBits>(codes, value_words);
+
+    // ---- write the slot: each lane its pieces, the group's first lane the fp16 fields
+    if (dst.slot >= 0) {
+    uint8_t* slot = p.cache.data + (dst.slot >> block_shift) * p.cache.stride_block +
+                    (dst.slot & (p.cache.block_size - 1)) * p.cache.stride_token + dst.head * p.cache.stride_head;
+    store_halfwords<kKeyChunk>(slot + part * kKeyChunk, key_words);
+    store_halfwords<kValueChunk>(slot + L.value_data_offset + part * kValueChunk, value_words);
+    if (part == 0) {
+      uint16_t* halves = reinterpret_cast<uint16_t*>(slot);  // fp16 fields sit at even offsets
+      if constexpr (!kFp8Key) halves[L.key_norm_offset / 2] = key_norm_bits;
+      halves[L.value_scale_offset / 2] = q.scale_bits;
+      halves[L.value_zero_offset / 2] = q.zero_bits;
+      if (L.slot_size_aligned > L.slot_size) slot[L.slot_size] = 0;  // padding byte
+    }
+    }
+  }
 }
 
 struct StoreLaunch {
   const StoreParams& p;
+  const LloydMaxGrid& grid;
   cudaStream_t stream;
-  template <typename T, int D, bool kFp8Key>
+  template <typename T, int D, int kKeyBits, int kValueBits>
   cudaError_t run() const {
-    const int64_t items = p.num_tokens * p.cache.num_kv_heads;
-    if (items == 0) return cudaSuccess;
-    const int64_t blocks = (items + kStoreWarpsPerBlock - 1) / kStoreWarpsPerBlock;
+    const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;
+    if (vectors == 0) return cudaSuccess;
+    constexpr int kVectorsPerCta = kStoreWarps * 32 / vector_lanes(D);
+    const int64_t needed = (vectors + kVectorsPerCta - 1) / kVectorsPerCta;
+    const int64_t blocks = std::min<int64_t>(needed, static_cast<int64_t>(device_sm_count()) * kStoreCtasPerSm);
+    int block_shift = 0;  // block sizes are powers of two (the glue checks 16..128)
+    while ((1 << block_shift) < p.cache.block_size) ++block_shift;
     const float rsqrt_d = 1.0f / sqrtf(static_cast<float>(D));  // same expression as the CPU
-    store_kv_kernel<T, D, kFp8Key><<<static_cast<unsigned>(blocks), kStoreWarpsPerBlock * 32, 0, stream>>>(p, rsqrt_d);
+    store_kv_kernel<T, D, kKeyBits, kValueBits>
+        <<<static_cast<unsigned>(blocks), kStoreWarps * 32, 0, stream>>>(p, grid, rsqrt_d, block_shift);
     return cudaGetLastError();
   }
 };
@@ -159,7 +232,10 @@ bool cuda_supports_head_dim(const SlotLayout& layout) {
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
   if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
-  return dispatch_slot_kernel(p.dtype, p.layout, StoreLaunch{p, stream});
+  if (p.cache.block_size <= 0 || (p.cache.block_size & (p.cache.block_size - 1)) != 0) return cudaErrorInvalidValue;
+  const LloydMaxGrid grid = p.layout.key_format == KeyFormat::kFp8 ? LloydMaxGrid{} : make_lloyd_max_grid(p.codebook);
+  const StoreLaunch launch{p, grid, stream};
+  return dispatch_slot_kernel(p.dtype, p.layout, VisitPresetBits<StoreLaunch>{p.layout, launch});
 }
 
 }  // namespace turboquant

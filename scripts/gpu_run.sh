@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench speed profile probe diagnose sanitize
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench speed profile profile_store probe diagnose sanitize
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run. A cold H200 call costs ~2 minutes of device time
 # before the command starts: ask for everything in one call.
@@ -67,16 +67,20 @@ if has speed; then  # context/batch sweep, plots and section in benchmarks/RESUL
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
   tail -40 "$OUT/RESULTS.md"
 fi
-if has profile; then  # stall reasons of the decode kernel, overall and per SASS instruction
-  timeout 240 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 \
-    --set full --import-source yes -o "$OUT/decode_profile" -f \
-    "$PYTHON" benchmarks/profile_decode.py > "$OUT/ncu_run.log" 2>&1 || status=1
-  ncu -i "$OUT/decode_profile.ncu-rep" --page details > "$OUT/ncu.txt" 2>&1
-  ncu -i "$OUT/decode_profile.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
-  grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per)" "$OUT/ncu.txt"
-fi
+# Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX SCRIPT
+ncu_profile() {
+  local name=$1 kernel=$2 script=$3
+  timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
+    --set full --import-source yes -o "$OUT/$name" -f "$PYTHON" "$script" > "$OUT/ncu_run_$name.log" 2>&1 || status=1
+  ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$name.csv" 2>&1
+  echo "== ncu $name"
+  grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per|Executed Ipc A)" "$OUT/ncu_$name.txt"
+}
+if has profile; then ncu_profile decode_profile decode_kernel benchmarks/profile_decode.py; fi
+if has profile_store; then ncu_profile store_profile store_kv_kernel benchmarks/profile_store.py; fi
 echo "== done in $(( $(date +%s) - start )) s"
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
-logs=$(cd "$OUT" && ls *.log *.txt 2>/dev/null)
+logs=$(cd "$OUT" && ls *.log *.txt *.csv 2>/dev/null)
 if [ -n "$logs" ]; then (cd "$OUT" && tar czf logs.tgz $logs && rm -f $logs); fi
 exit $status

@@ -101,8 +101,9 @@ TQ_HD uint8_t float_to_fp8_e4m3(float f) {
     code = static_cast<uint32_t>(rintf(a * 512.0f));
   } else {
     const int e = static_cast<int>((float_bits(a) >> 23) & 0xffu) - 127;  // -6..8
-    const float step = bits_float(static_cast<uint32_t>(e - 3 + 127) << 23);
-    const uint32_t q = static_cast<uint32_t>(rintf(a / step));  // 8..16
+    // a / 2^(e-3), as an exact multiply by the power of two (a division costs a dozen GPU instructions)
+    const float inv_step = bits_float(static_cast<uint32_t>(3 - e + 127) << 23);
+    const uint32_t q = static_cast<uint32_t>(rintf(a * inv_step));  // 8..16
     code = (static_cast<uint32_t>(e + 7) << 3) + (q - 8u);
   }
   if (code > 0x7eu) code = 0x7eu;  // rounding up past 448 saturates

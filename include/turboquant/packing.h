@@ -28,6 +28,21 @@ TQ_HD void pack_group_of_8(const uint8_t* idx, int bits, uint8_t* out) {
   for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(word >> (8 * b));
 }
 
+// Packs E consecutive indices of a `kBits`-bit stream, the first at bit 0 of words[0], with the
+// same rule as pack_group_of_8: a lane's piece of a field when E * kBits is a whole number of
+// bytes. Fully unrolled, so the shifts are constants and the indices stay in registers.
+template <int E, int kBits>
+TQ_HD void pack_codes(const uint32_t (&codes)[E], uint32_t (&words)[(E * kBits + 31) / 32]) {
+  TQ_UNROLL
+  for (int w = 0; w < (E * kBits + 31) / 32; ++w) words[w] = 0;
+  TQ_UNROLL
+  for (int j = 0; j < E; ++j) {
+    const int bit = j * kBits, w = bit >> 5, s = bit & 31;
+    words[w] |= codes[j] << s;
+    if (s + kBits > 32) words[w + 1] |= codes[j] >> (32 - s);
+  }
+}
+
 // Packs `count` indices (count a multiple of 8) into a `bits`-bit stream.
 TQ_HD void pack_indices(const uint8_t* idx, int count, int bits, uint8_t* out) {
   for (int g = 0; g < count / 8; ++g) pack_group_of_8(idx + 8 * g, bits, out + bits * g);

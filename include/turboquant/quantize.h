@@ -58,13 +58,24 @@ TQ_HD ValueQuantParams value_quant_params(float vmin, float vmax, int value_bits
   return p;
 }
 
+// The code of a value whose quotient (v - zero) / scale is t: clamp(floor(t + 0.5), 0, 2^b - 1),
+// NaN -> 0. The GPU converts with floor in one instruction (NaN converts to 0, out-of-range
+// values saturate before the clamp), the same result.
+TQ_HD uint32_t value_code_of_quotient(float t, int value_bits) {
+  const int hi = (1 << value_bits) - 1;
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint32_t>(min(max(__float2int_rd(t + 0.5f), 0), hi));
+#else
+  const float r = floorf(t + 0.5f);
+  const float c = r < 0.0f ? 0.0f : (r > static_cast<float>(hi) ? static_cast<float>(hi) : r);
+  return r == r ? static_cast<uint32_t>(c) : 0u;
+#endif
+}
+
 // q = clamp(floor((v - zero) / scale + 0.5), 0, 2^b - 1); scale == 0 stores 0.
 TQ_HD uint32_t value_code(float v, const ValueQuantParams& p, int value_bits) {
   if (p.scale == 0.0f) return 0u;
-  const float r = floorf((v - p.zero) / p.scale + 0.5f);
-  const float hi = static_cast<float>((1 << value_bits) - 1);
-  const float c = r < 0.0f ? 0.0f : (r > hi ? hi : r);  // NaN -> 0 (comparisons are false)
-  return r == r ? static_cast<uint32_t>(c) : 0u;
+  return value_code_of_quotient((v - p.zero) / p.scale, value_bits);
 }
 
 // Decoded value of a code: q * scale + zero.
@@ -98,29 +109,64 @@ TQ_HD float mul_rn(float a, float b) {
 #endif
 }
 
-constexpr int kWarpLanes = 32;
+// a * b + c rounded once, on both sides.
+TQ_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fmaf(a, b, c);
+#endif
+}
 
-// Sum of squares in the exact order a warp computes it when lane i holds elements
-// [i*E, (i+1)*E), E = n/32: each lane sums its squares in order, then an xor butterfly
-// (offsets 16, 8, 4, 2, 1) combines the lanes. The CPU reference uses this order too, so both
-// sides produce the same norm bits. Falls back to a plain loop when n is not a multiple of 32.
-TQ_HD float sum_of_squares_warp_order(const float* x, int n) {
-  if (n % kWarpLanes != 0) {
+// ---- x / d for many x and one d, still correctly rounded: one reciprocal per divisor, then one
+// multiply and two FMAs per quotient (Markstein's correction: with r = RN(1/d) and q = RN(x * r)
+// within an ulp of x / d, the residual x - d * q is exact and q + r * residual rounds to x / d).
+// An IEEE division costs a dozen instructions and a slow-path branch on the GPU, and the store
+// divides every key and value element. Preconditions: reciprocal_division_exact(d) (d and 1/d
+// normal, checked once per divisor) and x / d finite or x NaN (NaN propagates); the caller
+// guarantees it per vector. Quotients in the subnormal range may differ by one ulp.
+TQ_HD bool reciprocal_division_exact(float d) {
+  const float a = fabsf(d);
+  return a >= 0x1p-125f && a <= 0x1p125f;  // NaN fails both
+}
+TQ_HD float divide_by_reciprocal(float x, float d, float reciprocal) {
+  const float q = mul_rn(x, reciprocal);
+  const float residual = fma_rn(-d, q, x);
+  return fma_rn(residual, reciprocal, q);
+}
+
+// Lanes of a warp that hold one head vector in the CUDA store, E = n / lanes elements each
+// (about 16, so a warp stores several vectors and its reductions stay short): 4 for n = 64,
+// 6 -> 8 for 96, 8 for 128, 16 for 256. The norm's summation order follows this split.
+TQ_HD constexpr int vector_lanes(int n) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * 16 < n) lanes *= 2;
+  return lanes;
+}
+
+// Sum of squares in the exact order the CUDA store computes it when lane i of a group of
+// L = vector_lanes(n) lanes holds elements [i*E, (i+1)*E), E = n/L: each lane sums its squares in
+// order, then an xor butterfly (offsets L/2, ..., 2, 1) combines the lanes. The CPU reference uses
+// this order too, so both sides produce the same norm bits. A plain loop when L does not divide n.
+TQ_HD float sum_of_squares_lane_order(const float* x, int n) {
+  constexpr int kMaxLanes = 32;
+  const int lanes = vector_lanes(n);
+  if (n % lanes != 0) {
     float s = 0.0f;
     for (int i = 0; i < n; ++i) s += mul_rn(x[i], x[i]);
     return s;
   }
-  const int per_lane = n / kWarpLanes;
-  float partial[kWarpLanes];
-  for (int lane = 0; lane < kWarpLanes; ++lane) {
+  const int per_lane = n / lanes;
+  float partial[kMaxLanes];
+  for (int lane = 0; lane < lanes; ++lane) {
     float s = 0.0f;
     for (int j = 0; j < per_lane; ++j) s += mul_rn(x[lane * per_lane + j], x[lane * per_lane + j]);
     partial[lane] = s;
   }
-  for (int offset = kWarpLanes / 2; offset > 0; offset >>= 1) {
-    float next[kWarpLanes];
-    for (int lane = 0; lane < kWarpLanes; ++lane) next[lane] = partial[lane] + partial[lane ^ offset];
-    for (int lane = 0; lane < kWarpLanes; ++lane) partial[lane] = next[lane];
+  for (int offset = lanes / 2; offset > 0; offset >>= 1) {
+    float next[kMaxLanes];
+    for (int lane = 0; lane < lanes; ++lane) next[lane] = partial[lane] + partial[lane ^ offset];
+    for (int lane = 0; lane < lanes; ++lane) partial[lane] = next[lane];
   }
   return partial[0];
 }

@@ -1,0 +1,15 @@
+// Properties of the current device that the launchers size their grids by.
+#include <cuda_runtime.h>
+
+#include "launchers.h"
+
+namespace turboquant {
+
+int device_sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 132;
+  return sms;
+}
+
+}  // namespace turboquant
