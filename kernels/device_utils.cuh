@@ -60,7 +60,7 @@ template <int E, int G>
 __device__ __forceinline__ float group_sum_of_squares(const float (&x)[E]) {
   float s = 0.0f;
 #pragma unroll
-  for (int j = 0; j < E; ++j) s += mul_rn(x[j], x[j]);
+  for (int j = 0; j < E; ++j) s = fma_rn(x[j], x[j], s);
   return group_sum<G>(s);
 }
 

@@ -145,22 +145,22 @@ TQ_HD constexpr int vector_lanes(int n) {
 }
 
 // Sum of squares in the exact order the CUDA store computes it when lane i of a group of
-// L = vector_lanes(n) lanes holds elements [i*E, (i+1)*E), E = n/L: each lane sums its squares in
-// order, then an xor butterfly (offsets L/2, ..., 2, 1) combines the lanes. The CPU reference uses
+// L = vector_lanes(n) lanes holds elements [i*E, (i+1)*E), E = n/L: each lane accumulates its
+// squares in order with FMAs (one instruction per element on the GPU), then an xor butterfly (offsets L/2, ..., 2, 1) combines the lanes. The CPU reference uses
 // this order too, so both sides produce the same norm bits. A plain loop when L does not divide n.
 TQ_HD float sum_of_squares_lane_order(const float* x, int n) {
   constexpr int kMaxLanes = 32;
   const int lanes = vector_lanes(n);
   if (n % lanes != 0) {
     float s = 0.0f;
-    for (int i = 0; i < n; ++i) s += mul_rn(x[i], x[i]);
+    for (int i = 0; i < n; ++i) s = fma_rn(x[i], x[i], s);
     return s;
   }
   const int per_lane = n / lanes;
   float partial[kMaxLanes];
   for (int lane = 0; lane < lanes; ++lane) {
     float s = 0.0f;
-    for (int j = 0; j < per_lane; ++j) s += mul_rn(x[lane * per_lane + j], x[lane * per_lane + j]);
+    for (int j = 0; j < per_lane; ++j) s = fma_rn(x[lane * per_lane + j], x[lane * per_lane + j], s);
     partial[lane] = s;
   }
   for (int offset = lanes / 2; offset > 0; offset >>= 1) {

@@ -65,21 +65,21 @@ def test_mixed_batch_matches_attention_over_the_cache(preset):
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)
 
 
-def _pure_decode_setup(preset, device):
+def _pure_decode_setup(preset, device, dtype=torch.float32):
     """A layer whose 3 sequences hold 30, 17 and 0 tokens, and the next pure-decode step: the first
     two decode one token each, the third is a padding row (slot -1, seq_len 0)."""
     bs, hkv, hq, d = 16, 2, 8, 64
-    layer = PagedAttentionLayer(12, bs, hkv, d, preset, device=device, dtype=torch.float32)
+    layer = PagedAttentionLayer(12, bs, hkv, d, preset, device=device, dtype=dtype)
     block_table = torch.arange(12, dtype=torch.int32).view(3, 4).to(device)
     g = torch.Generator().manual_seed(7)
     meta = _step_meta(block_table.cpu(), [0, 0], [30, 17], 0, bs)
     prefill = StepMetadata(meta.query_start_loc.to(device), meta.seq_lens.to(device), block_table[:2],
                            meta.slot_mapping.to(device), 0)
-    layer.forward(*(torch.randn(47, h, d, generator=g).to(device) for h in (hq, hkv, hkv)), prefill, 0.125)
+    layer.forward(*(torch.randn(47, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv)), prefill, 0.125)
     step = StepMetadata(torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=device),
                         torch.tensor([31, 18, 0], dtype=torch.int32, device=device), block_table,
                         torch.tensor([1 * 16 + 14, 5 * 16 + 1, -1], device=device), 3)
-    q, k, v = (torch.randn(3, h, d, generator=g).to(device) for h in (hq, hkv, hkv))
+    q, k, v = (torch.randn(3, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
     return layer, step, q, k, v
 
 
@@ -105,7 +105,8 @@ def test_pure_decode_step_matches_attention_over_the_cache(preset):
 @requires_cuda
 @pytest.mark.parametrize("preset", [None, "turboquant_4bit_nc"])
 def test_pure_decode_step_replays_in_a_cuda_graph(preset):
-    layer, step, q, k, v = _pure_decode_setup(preset, "cuda")
+    # bf16: the CUDA decode takes fp16/bf16 queries (a serving stack's dtype)
+    layer, step, q, k, v = _pure_decode_setup(preset, "cuda", torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
