@@ -53,6 +53,9 @@ struct DecodeConfig {
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
   // A slot starts at any even address: the aligned 16-byte chunks around it.
   static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
+  static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
+  static constexpr int kStageBytes = 16 * kRowBytes;
+  static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
   static constexpr int kKeyWords = cdiv(kKeyChunkBytes, 4);
@@ -60,28 +63,13 @@ struct DecodeConfig {
   static constexpr int kValueWords = cdiv(kValueChunkBytes, 4);
   static constexpr int kKSteps = D / 16;
   static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * 32;
-  // Resident CTAs per SM the kernel is built for: 3 (24 warps) hide the latency of the per-tile
-  // dependency chain better than 2 (measured 0.52 issued warps per scheduler at 2); D = 256
-  // needs the registers and shared memory of 2.
-  static constexpr int kMinCtas = D > 128 ? 2 : 3;
-  static constexpr int kStages = 2;  // ring depth per warp: one tile in flight while one is consumed
   // Shared memory: staging ring (reused for the query rotation and the final warp merge).
+  static constexpr int kRingBytes = kWarps * kStages * kStageBytes + 16;
   static constexpr int kQueryBytes = kHeads * D * 4;
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 3) * 4;
-  static constexpr int smem_bytes(int row_chunks) {
-    return cdiv(std::max(kWarps * kStages * 16 * row_chunks * 16 + 16, std::max(kQueryBytes, kMergeBytes)), 16) * 16 +
-           kPairTableWords * 4;
-  }
-  static constexpr bool fits(int row_chunks) { return kMinCtas * (smem_bytes(row_chunks) + 1024) <= 228 * 1024; }
-  // Rows of an odd number of chunks spread the 16 rows over all banks; an even count is kept when
-  // the padding would cost a resident CTA (4bit_nc at D = 128: 2-way conflicts on the key words).
-  static constexpr int kRowChunks = kChunks % 2 == 1 || !fits(kChunks + 1) ? kChunks : kChunks + 1;
-  static constexpr int kRowBytes = kRowChunks * 16;
-  static constexpr int kStageBytes = 16 * kRowBytes;
-  static constexpr int kRingBytes = kWarps * kStages * kStageBytes + 16;
-  static constexpr int kScratchBytes = smem_bytes(kRowChunks) - kPairTableWords * 4;
-  static constexpr int kSmemBytes = smem_bytes(kRowChunks);
-  static_assert(fits(kRowChunks), "shared memory for kMinCtas resident CTAs");
+  static constexpr int kScratchBytes =
+      cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes)), 16) * 16;
+  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
 };
 
 __device__ __forceinline__ float load_half(const uint8_t* p) {
@@ -111,7 +99,7 @@ __device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], i
 }
 
 template <class C, typename T>
-__global__ void __launch_bounds__(kThreads, C::kMinCtas) decode_kernel(const DecodeParams p, const float q_multiplier,
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p, const float q_multiplier,
                                                           const int head_chunks) {
   using namespace device;
   constexpr int D = C::D;
