@@ -10,7 +10,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "device_utils.cuh"
 #include "dispatch.cuh"
@@ -24,34 +23,26 @@ namespace {
 
 constexpr int kStoreWarps = 8;
 constexpr int kStoreCtasPerSm = 16;  // a grid-stride loop covers the rest: the tables load once per CTA
-// 3 CTAs = 24 warps per SM (<= 85 registers): the prefetched next vectors cost registers, and fewer
-// resident warps each with loads in flight beat more warps that wait on their loads.
-constexpr int kStoreMinCtasPerSm = 3;
 
-// E consecutive input elements as loaded, converted to float when used: the loop loads the next
-// vectors' elements before it quantizes the current ones, so the loads are in flight meanwhile.
+// Loads E consecutive elements (E * sizeof(T) bytes, aligned to that: the glue checks 16-byte
+// aligned inputs) with the widest vector load that fits.
 template <typename T, int E>
-struct RawElements {
-  static constexpr int kBytes = E * static_cast<int>(sizeof(T));
-  static_assert(kBytes % 8 == 0, "whole 8-byte loads");
-  using Chunk = typename std::conditional<kBytes % 16 == 0, uint4, uint2>::type;
-  Chunk chunk[kBytes / sizeof(Chunk)];
-
-  // src is aligned to kBytes' chunk size: the glue checks 16-byte aligned inputs.
-  __device__ __forceinline__ void load(const T* src) {
+__device__ __forceinline__ void load_elements(const T* src, float (&out)[E]) {
+  constexpr int kBytes = E * static_cast<int>(sizeof(T));
+  T vals[E];
+  if constexpr (kBytes % 16 == 0) {
 #pragma unroll
-    for (int c = 0; c < kBytes / static_cast<int>(sizeof(Chunk)); ++c) chunk[c] = reinterpret_cast<const Chunk*>(src)[c];
-  }
-  __device__ __forceinline__ void clear() {
+    for (int k = 0; k < kBytes / 16; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src)[k];
+  } else if constexpr (kBytes % 8 == 0) {
 #pragma unroll
-    for (int c = 0; c < kBytes / static_cast<int>(sizeof(Chunk)); ++c) chunk[c] = Chunk{};
-  }
-  __device__ __forceinline__ void to_float(float (&out)[E]) const {
-    const T* vals = reinterpret_cast<const T*>(chunk);
+    for (int k = 0; k < kBytes / 8; ++k) reinterpret_cast<uint2*>(vals)[k] = reinterpret_cast<const uint2*>(src)[k];
+  } else {
 #pragma unroll
-    for (int j = 0; j < E; ++j) out[j] = device::to_float(vals[j]);
+    for (int k = 0; k < E; ++k) vals[k] = src[k];
   }
-};
+#pragma unroll
+  for (int j = 0; j < E; ++j) out[j] = device::to_float(vals[j]);
+}
 
 // Writes the first kBytes (even) of a little-endian word stream with 16-bit stores.
 template <int kBytes, int NW>
@@ -86,7 +77,7 @@ __device__ __forceinline__ Destination destination_of(const StoreParams& p, int6
 }
 
 template <typename T, int D, int kKeyBits, int kValueBits>
-__global__ void __launch_bounds__(kStoreWarps * 32, kStoreMinCtasPerSm)
+__global__ void __launch_bounds__(kStoreWarps * 32)
     store_kv_kernel(const StoreParams p, const LloydMaxGrid grid, const float rsqrt_d, const int block_shift) {
   constexpr bool kFp8Key = kKeyBits == 8;
   constexpr int G = vector_lanes(D);  // lanes per vector
@@ -112,26 +103,18 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreMinCtasPerSm)
   const int64_t step = static_cast<int64_t>(gridDim.x) * kStoreWarps * kVectorsPerWarp;
 
   // Warp-uniform loop: every lane reaches every shuffle, lanes past the batch compute on zeros.
-  RawElements<T, E> next_k, next_v;
-  auto fetch = [&](int64_t first) {
-    const int64_t item = first + lane / G;
-    if (item < vectors) {
-      next_k.load(static_cast<const T*>(p.key) + item * D + part * E);
-      next_v.load(static_cast<const T*>(p.value) + item * D + part * E);
-    } else {
-      next_k.clear();
-      next_v.clear();
-    }
-  };
-  int64_t first = (static_cast<int64_t>(blockIdx.x) * kStoreWarps + threadIdx.x / 32) * kVectorsPerWarp;
-  fetch(first);
-  for (; first < vectors; first += step) {
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kStoreWarps + threadIdx.x / 32) * kVectorsPerWarp;
+       first < vectors; first += step) {
     const int64_t item = first + lane / G;
     const Destination dst = destination_of(p, item, vectors);
     float k[E], v[E];
-    next_k.to_float(k);
-    next_v.to_float(v);
-    if (first + step < vectors) fetch(first + step);
+    if (item < vectors) {
+      load_elements<T, E>(static_cast<const T*>(p.key) + item * D + part * E, k);
+      load_elements<T, E>(static_cast<const T*>(p.value) + item * D + part * E, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < E; ++j) k[j] = v[j] = 0.0f;
+    }
 
     // ---- key
     uint32_t key_words[(E * kKeyBits + 31) / 32];
