@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench speed profile profile_store probe diagnose sanitize
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store probe diagnose sanitize
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run. A cold H200 call costs ~2 minutes of device time
 # before the command starts: ask for everything in one call.
@@ -61,6 +61,10 @@ if has bench; then
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
+fi
+if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
+  timeout 300 "$PYTHON" benchmarks/bench_continuation.py --out "$OUT/results.md" > "$OUT/bench_continuation.log" 2>&1 || status=1
+  tail -32 "$OUT/bench_continuation.log"
 fi
 if has speed; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's

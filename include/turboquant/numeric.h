@@ -93,13 +93,6 @@ constexpr float kFp8E4M3Max = 448.0f;
 
 TQ_HD uint8_t float_to_fp8_e4m3(float f) {
   const uint32_t sign = (float_bits(f) >> 24) & 0x80u;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  // The hardware conversion rounds to nearest even and saturates finite values and inf to +-448,
-  // the rule below; only NaN differs (it keeps no sign), so NaN is handled here.
-  uint32_t both;
-  asm("{ .reg .b16 t;\n cvt.rn.satfinite.e4m3x2.f32 t, %1, %1;\n cvt.u32.u16 %0, t; }" : "=r"(both) : "f"(f));
-  return static_cast<uint8_t>(f != f ? (sign | 0x7fu) : (both & 0xffu));
-#else
   const float a = fabsf(f);
   if (a != a) return static_cast<uint8_t>(sign | 0x7fu);
   if (a >= kFp8E4M3Max) return static_cast<uint8_t>(sign | 0x7eu);
@@ -115,7 +108,6 @@ TQ_HD uint8_t float_to_fp8_e4m3(float f) {
   }
   if (code > 0x7eu) code = 0x7eu;  // rounding up past 448 saturates
   return static_cast<uint8_t>(sign | code);
-#endif
 }
 
 TQ_HD float fp8_e4m3_to_float(uint8_t v) {

@@ -1,0 +1,88 @@
+"""Continuation chunks: where decode_varlen stops paying off against dequantize + SDPA.
+
+A continuation chunk of q_len tokens over a context of L cached tokens (the chunk's own included)
+is attended either by ``decode_varlen`` on the packed cache (reads the context once per query
+token, no dense copy) or by ``dequantize`` into dense K/V and SDPA with a bottom-right causal
+mask (one read of the packed context, a dense write and read, then attention). Times, for one
+sequence (PagedAttentionLayer handles continuation chunks one sequence at a time):
+  * varlen: ``tq.decode_varlen``;
+  * layer: dequantize + PagedAttentionLayer._sdpa (fp32 SDPA with a boolean mask, the reference
+    layer's path);
+  * flash: dequantize + bf16 SDPA with ``causal_lower_right`` (what a serving stack would run).
+The layer's ``varlen_threshold`` is the largest q_len at which varlen beats the layer path at
+every context length measured.
+
+    python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turboquant as tq  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache  # noqa: E402
+from timing import append_markdown, time_us  # noqa: E402
+from turboquant.attention import PagedAttentionLayer  # noqa: E402
+
+HQ, HKV = 32, 8
+Q_LENS = (1, 2, 4, 8, 16, 32, 64, 128)
+CONTEXTS = (2048, 8192, 32768)
+
+
+def flash_continuation(q, k, v, scale):
+    """bf16 SDPA of q [m, Hq, D] over k, v [n, Hkv, D], query i seeing keys < n - m + i + 1."""
+    from torch.nn.attention.bias import causal_lower_right
+    m, n = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                         k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0),
+                                         v.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0),
+                                         attn_mask=causal_lower_right(m, n), scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=list(tq.PRESETS), default="turboquant_4bit_nc")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    scale = HEAD_DIM ** -0.5
+    lines = [f"Continuation chunk of one sequence, Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {a.preset}, bf16, "
+             f"{torch.cuda.get_device_name()}; {datetime.date.today()}", "",
+             "| L | q_len | decode_varlen us | dequantize + layer SDPA us | dequantize + flash SDPA us | varlen faster than layer |",
+             "|---|---|---|---|---|---|"]
+    print(lines[0], flush=True)
+    wins = {}
+    for length in CONTEXTS:
+        cache, block_table = build_cache(a.preset, 1, HKV, length)
+        seq_lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+        for q_len in Q_LENS:
+            q = torch.randn(q_len, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            loc = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+
+            def dense():
+                return tq.dequantize(cache, block_table, seq_lens, a.preset, torch.bfloat16)
+
+            varlen = time_us([lambda: tq.decode_varlen(q, cache, block_table, seq_lens, loc, a.preset, scale)], reps=15)
+            layer = time_us([lambda: PagedAttentionLayer._sdpa(q, *(t[0] for t in dense()), scale, length - q_len)],
+                            reps=15)
+            flash = time_us([lambda: flash_continuation(q, *(t[0] for t in dense()), scale)], reps=15)
+            wins.setdefault(q_len, []).append(varlen < layer)
+            lines.append(f"| {length} | {q_len} | {varlen:.1f} | {layer:.1f} | {flash:.1f} | {'yes' if varlen < layer else 'no'} |")
+            print(lines[-1], flush=True)
+    threshold = max([q for q in Q_LENS if all(wins[q])] or [0])
+    lines += ["", f"Largest q_len where decode_varlen beats the layer's dequantize path at every L: {threshold}"]
+    print(lines[-1], flush=True)
+    append_markdown(a.out, lines)
+
+
+if __name__ == "__main__":
+    main()
