@@ -6,10 +6,9 @@ token, no dense copy) or by ``dequantize`` into dense K/V and SDPA with a bottom
 mask (one read of the packed context, a dense write and read, then attention). Times, for one
 sequence (PagedAttentionLayer handles continuation chunks one sequence at a time):
   * varlen: ``tq.decode_varlen``;
-  * layer: dequantize + PagedAttentionLayer._sdpa (fp32 SDPA with a boolean mask, the reference
-    layer's path);
-  * flash: dequantize + bf16 SDPA with ``causal_lower_right`` (what a serving stack would run).
-The layer's ``varlen_threshold`` is the largest q_len at which varlen beats the layer path at
+  * dense: dequantize + PagedAttentionLayer._sdpa (the reference layer's path: SDPA in the query
+    dtype with a lower-right causal bias, what a serving stack would run).
+The layer's ``varlen_threshold`` is the largest q_len at which varlen beats the dense path at
 every context length measured.
 
     python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--out results.md]
@@ -23,7 +22,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,18 +35,6 @@ Q_LENS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXTS = (2048, 8192, 32768)
 
 
-def flash_continuation(q, k, v, scale):
-    """bf16 SDPA of q [m, Hq, D] over k, v [n, Hkv, D], query i seeing keys < n - m + i + 1."""
-    from torch.nn.attention.bias import causal_lower_right
-    m, n = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
-                                         k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0),
-                                         v.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0),
-                                         attn_mask=causal_lower_right(m, n), scale=scale)
-    return out[0].transpose(0, 1)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=list(tq.PRESETS), default="turboquant_4bit_nc")
@@ -57,8 +43,8 @@ def main():
     scale = HEAD_DIM ** -0.5
     lines = [f"Continuation chunk of one sequence, Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {a.preset}, bf16, "
              f"{torch.cuda.get_device_name()}; {datetime.date.today()}", "",
-             "| L | q_len | decode_varlen us | dequantize + layer SDPA us | dequantize + flash SDPA us | varlen faster than layer |",
-             "|---|---|---|---|---|---|"]
+             "| L | q_len | decode_varlen us | dequantize + SDPA us | decode_varlen faster |",
+             "|---|---|---|---|---|"]
     print(lines[0], flush=True)
     wins = {}
     for length in CONTEXTS:
@@ -72,14 +58,12 @@ def main():
                 return tq.dequantize(cache, block_table, seq_lens, a.preset, torch.bfloat16)
 
             varlen = time_us([lambda: tq.decode_varlen(q, cache, block_table, seq_lens, loc, a.preset, scale)], reps=15)
-            layer = time_us([lambda: PagedAttentionLayer._sdpa(q, *(t[0] for t in dense()), scale, length - q_len)],
-                            reps=15)
-            flash = time_us([lambda: flash_continuation(q, *(t[0] for t in dense()), scale)], reps=15)
-            wins.setdefault(q_len, []).append(varlen < layer)
-            lines.append(f"| {length} | {q_len} | {varlen:.1f} | {layer:.1f} | {flash:.1f} | {'yes' if varlen < layer else 'no'} |")
+            dense_us = time_us([lambda: PagedAttentionLayer._sdpa(q, *(t[0] for t in dense()), scale)], reps=15)
+            wins.setdefault(q_len, []).append(varlen < dense_us)
+            lines.append(f"| {length} | {q_len} | {varlen:.1f} | {dense_us:.1f} | {'yes' if varlen < dense_us else 'no'} |")
             print(lines[-1], flush=True)
     threshold = max([q for q in Q_LENS if all(wins[q])] or [0])
-    lines += ["", f"Largest q_len where decode_varlen beats the layer's dequantize path at every L: {threshold}"]
+    lines += ["", f"Largest q_len where decode_varlen beats dequantize + SDPA at every L: {threshold}"]
     print(lines[-1], flush=True)
     append_markdown(a.out, lines)
 

@@ -6,7 +6,8 @@ prefill chunks. For every step the layer:
   2. decodes the decode sequences on the packed cache (one ``decode`` call),
   3. first prefill chunks (nothing cached before them) run SDPA, causal, on the raw K/V,
   4. continuation chunks run ``decode_varlen`` on the packed cache when short (<=
-     ``varlen_threshold`` tokens), else dequantize the sequence and run SDPA with a causal offset.
+     ``varlen_threshold`` tokens), else dequantize the sequence and run SDPA, causal aligned to the
+     bottom right (the chunk's last token sees the whole context).
 A layer built with ``preset=None`` keeps a plain paged bf16/fp16 cache (the boundary layers that
 ``boundary_skip_layers`` selects) and runs every part with SDPA over the gathered cache.
 
@@ -14,8 +15,11 @@ A pure-decode step (every sequence decodes one token) makes no host synchronisat
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables
 and slot mappings written into the captured tensors.
 
-The threshold between decode_varlen and dequantize+SDPA is a placeholder (16) until it is measured
-on the GPU.
+The default threshold, 32 query tokens, is measured (benchmarks/bench_continuation.py, H200,
+Hq=32, Hkv=8, D=128, 4bit_nc): decode_varlen reads the context once per query token, so it wins
+for short chunks (at L=32k: 687 us vs 1038 us at 32 tokens) and loses from 64 on (1255 vs 1030 us);
+the crossover sat between 32 and 64 at every context measured (2k, 8k, 32k). Results in
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class StepMetadata:
 
 class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
-                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 16):
+                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 32):
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.varlen_threshold = varlen_threshold
         if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]
@@ -76,14 +80,17 @@ class PagedAttentionLayer:
         return k, v
 
     @staticmethod
-    def _sdpa(q, k, v, scale, offset):
-        """q [m, Hq, D] attends k, v [n, Hkv, D]: query i sees keys < offset + i + 1."""
+    def _sdpa(q, k, v, scale):
+        """q [m, Hq, D] attends k, v [n, Hkv, D] (n >= m), causal aligned to the bottom right: query i
+        sees keys < n - m + i + 1. In q's dtype, so flash/efficient kernels take it on the GPU."""
+        from torch.nn.attention.bias import causal_lower_right
         m, n = q.shape[0], k.shape[0]
-        mask = torch.arange(n, device=q.device)[None, :] < (offset + torch.arange(m, device=q.device)[:, None] + 1)
         group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float().repeat_interleave(group, 0),
-                                             v.transpose(0, 1).float().repeat_interleave(group, 0), attn_mask=mask, scale=scale)
-        return out.transpose(0, 1).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                             k.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0).unsqueeze(0),
+                                             v.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0).unsqueeze(0),
+                                             attn_mask=causal_lower_right(m, n), scale=scale)
+        return out[0].transpose(0, 1)
 
     def _decode(self, query, block_table, seq_lens, scale):
         """One new token per sequence, query [B, Hq, D], without host synchronisation."""
@@ -113,12 +120,12 @@ class PagedAttentionLayer:
             s, e = starts[b], starts[b + 1]
             q_len, cached_before = e - s, lens[b] - (e - s)
             if cached_before == 0:  # first chunk: raw K/V, causal
-                out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale, 0)
+                out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale)
             elif self.preset is not None and q_len <= self.varlen_threshold:
                 loc = torch.tensor([0, q_len], dtype=torch.int32, device=query.device)
                 out[s:e] = decode_varlen(query[s:e], self.cache, meta.block_table[b:b + 1], meta.seq_lens[b:b + 1],
                                          loc, self.preset, scale)
             else:
                 k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1])
-                out[s:e] = self._sdpa(query[s:e], k[0, :lens[b]], v[0, :lens[b]], scale, cached_before)
+                out[s:e] = self._sdpa(query[s:e], k[0, :lens[b]], v[0, :lens[b]], scale)
         return out
