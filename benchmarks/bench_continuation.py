@@ -8,8 +8,9 @@ sequence (PagedAttentionLayer handles continuation chunks one sequence at a time
   * varlen: ``tq.decode_varlen``;
   * dense: dequantize + PagedAttentionLayer._sdpa (the reference layer's path: SDPA in the query
     dtype with a lower-right causal bias, what a serving stack would run).
-The layer's ``varlen_threshold`` is the largest q_len at which varlen beats the dense path at
-every context length measured.
+Prints, per context length, the largest q_len up to which decode_varlen is faster; the layer's
+``varlen_threshold`` is set from the long contexts, where the choice matters (short ones are
+dominated by host overhead in eager mode, see RESULTS.md).
 
     python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--out results.md]
 """
@@ -62,9 +63,12 @@ def main():
             wins.setdefault(q_len, []).append(varlen < dense_us)
             lines.append(f"| {length} | {q_len} | {varlen:.1f} | {dense_us:.1f} | {'yes' if varlen < dense_us else 'no'} |")
             print(lines[-1], flush=True)
-    threshold = max([q for q in Q_LENS if all(wins[q])] or [0])
-    lines += ["", f"Largest q_len where decode_varlen beats dequantize + SDPA at every L: {threshold}"]
-    print(lines[-1], flush=True)
+    lines.append("")
+    for i, length in enumerate(CONTEXTS):  # wins[q][i]: decode_varlen faster at CONTEXTS[i]
+        best = max([q for q in Q_LENS if all(wins[r][i] for r in Q_LENS if r <= q)] or [0])
+        lines.append(f"L={length}: decode_varlen faster up to q_len {best}" if best else
+                     f"L={length}: dequantize + SDPA faster at every q_len")
+        print(lines[-1], flush=True)
     append_markdown(a.out, lines)
 
 

@@ -16,10 +16,11 @@ kind of layer, so it can be captured in a CUDA graph and replayed with new seq_l
 and slot mappings written into the captured tensors.
 
 The default threshold, 32 query tokens, is measured (benchmarks/bench_continuation.py, H200,
-Hq=32, Hkv=8, D=128, 4bit_nc): decode_varlen reads the context once per query token, so it wins
-for short chunks (at L=32k: 687 us vs 1038 us at 32 tokens) and loses from 64 on (1255 vs 1030 us);
-the crossover sat between 32 and 64 at every context measured (2k, 8k, 32k). Results in
-benchmarks/RESULTS.md.
+Hq=32, Hkv=8, D=128, 4bit_nc, one sequence): decode_varlen reads the context once per query token,
+so it wins for short chunks and loses for long ones. At L=32k: 674 vs 1027 us at 32 tokens, 1233
+vs 1027 us at 64; at L=8k: 220 vs 302 us at 32, 368 vs 299 us at 64. At L=2k both paths are
+host-bound in eager mode (~145 us dense, ~188 us decode_varlen, whatever the chunk length), so
+the choice costs little there. Tables in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
