@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) dequantize_kernel(const D
     const float norm = load_half_field(slot + L.key_norm_offset);
 #pragma unroll
     for (int j = 0; j < E; ++j) k[j] = norm * p.codebook.centroid[unpack_index(slot, lane * E + j, L.key_bits)];
-    device::group_fwht<E>(k, lane);
+    device::group_fwht<E, 32>(k, lane);
 #pragma unroll
     for (int j = 0; j < E; ++j) k[j] *= rsqrt_d;
   }

@@ -1,5 +1,6 @@
-// Device helpers shared by the kernels: element conversion, warp reductions, the warp-parallel
-// Walsh-Hadamard transform, and thin wrappers over PTX (mma, movmatrix, fp8 cvt, cp.async).
+// Device helpers shared by the kernels: element conversion, reductions and the Walsh-Hadamard
+// transform over groups of lanes (the whole warp or a power-of-two part of it), and thin
+// wrappers over PTX (mma, movmatrix, fp8 cvt, cp.async).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,6 +1,6 @@
-// Runtime (element type, head_dim, key format) -> compile-time kernel parameters, for the
-// one-warp-per-slot kernels (store, dequantize) and the decode (which adds the bit widths). The
-// single list of head dims the kernels are built for.
+// Runtime (element type, head_dim, key format, preset bit widths) -> compile-time kernel
+// parameters: dispatch_slot_kernel for the dequantize, plus VisitPresetBits for the store and the
+// decode, which specialize on the bit widths. The single list of head dims the kernels are built for.
 #pragma once
 
 #include <cuda_bf16.h>

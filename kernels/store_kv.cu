@@ -1,12 +1,13 @@
 // Fused store: quantizes (token, KV head) vectors and writes their packed slots, one launch for
 // the whole batch. A group of G = vector_lanes(D) lanes holds one vector, E = D / G elements per
-// lane (16 for D = 64, 128, 256), so a warp stores 32 / G vectors at a time and every reduction is
-// log2(G) shuffles. Key: norm (group reduction), normalization (a shared reciprocal with an exact
-// correction, not one IEEE division per element), Hadamard rotation as an in-register FWHT with
-// shuffles, Lloyd-Max bucketing by grid lookup, norm correction folded into the stored norm (or
-// FP8 e4m3). Value: group min/max, fp16 scale/zero, codes. Each lane packs its own piece of the
-// index streams in registers and writes it with 16-bit stores (slots are only 2-byte aligned).
-// Same bytes as the CPU reference (csrc/slot_codec.cpp): the shared rules live in include/.
+// lane (16 for D = 64, 128, 256; 12 for D = 96), so a warp stores 32 / G vectors at a time and
+// every reduction is log2(G) shuffles. Key: norm (group reduction), normalization (a shared
+// reciprocal with an exact correction instead of an IEEE division per element), Hadamard rotation
+// as an in-register FWHT with shuffles, Lloyd-Max bucketing by grid lookup, norm correction folded
+// into the stored norm (or FP8 e4m3). Value: group min/max, fp16 scale/zero, codes. Each lane
+// packs its own piece of the index streams in registers and writes it with 16-bit stores (slots
+// are only 2-byte aligned). Same bytes as the CPU reference (csrc/slot_codec.cpp): the shortcuts
+// are shared rules in include/ with GTests showing they equal the plain ones.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,10 +23,12 @@ namespace turboquant {
 namespace {
 
 constexpr int kStoreWarps = 8;
-constexpr int kStoreCtasPerSm = 16;  // a grid-stride loop covers the rest: the tables load once per CTA
+// Grid cap: 16 CTAs per SM, about 4 waves of the 4 that fit (64 registers x 256 threads); a
+// grid-stride loop covers the rest, so the tables load once per CTA, not once per 32 vectors.
+constexpr int kStoreCtasPerSm = 16;
 
-// Loads E consecutive elements (E * sizeof(T) bytes, aligned to that: the glue checks 16-byte
-// aligned inputs) with the widest vector load that fits.
+// Loads E consecutive elements with the widest vector load that divides E * sizeof(T) (16 bytes,
+// or 8 for D = 96's 24-byte pieces; the glue checks 16-byte aligned inputs).
 template <typename T, int E>
 __device__ __forceinline__ void load_elements(const T* src, float (&out)[E]) {
   constexpr int kBytes = E * static_cast<int>(sizeof(T));
@@ -127,11 +130,15 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     } else {
       const float norm = sqrtf(device::group_sum_of_squares<E, G>(k));
       const float denom = norm + kKeyNormEpsilon;
-      // A finite key's normalized rotated coordinates are at most 1 in magnitude, where both the
-      // shared reciprocal and the grid are exact; anything else takes the plain path.
+      // A finite key's normalized rotated coordinates are at most 1 in magnitude, where the grid is
+      // exact; the shared reciprocal is exact unless one of this lane's elements is tiny or zero
+      // (quotients_exact). Anything else takes the plain path, per vector or per lane.
       const bool finite_key = isfinite(norm) && reciprocal_division_exact(denom);
-      if (finite_key) {
-        const float reciprocal = 1.0f / denom;
+      const float reciprocal = 1.0f / denom;
+      float smallest = fabsf(k[0]);
+#pragma unroll
+      for (int j = 1; j < E; ++j) smallest = fminf(smallest, fabsf(k[j]));
+      if (finite_key && quotients_exact(reciprocal, smallest)) {
 #pragma unroll
         for (int j = 0; j < E; ++j) k[j] = divide_by_reciprocal(k[j], denom, reciprocal);
       } else {
@@ -172,7 +179,8 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
         value_quant_params(device::group_min<G>(vmin), device::group_max<G>(vmax), kValueBits);
     uint32_t codes[E];
     // A finite zero and scale bound every quotient of a finite value (and a non-finite value
-    // makes one of them non-finite): the shared reciprocal applies.
+    // makes one of them non-finite); quotients the shared reciprocal gets one ulp off are tiny
+    // and code to 0 either way (quantize.h), so the codes equal value_code's.
     if (q.scale != 0.0f && reciprocal_division_exact(q.scale) && isfinite(q.zero)) {
       const float reciprocal = 1.0f / q.scale;
 #pragma unroll
@@ -186,8 +194,9 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     uint32_t value_words[(E * kValueBits + 31) / 32];
     pack_codes<E, kValueBits>(codes, value_words);
 
-    // ---- write the slot: each lane its pieces, the group's first lane the fp16 fields
-    if (dst.slot >= 0) {
+    // ---- write the slot: each lane its pieces, the group's first lane the fp16 fields (every
+    // shuffle of this iteration is done: lanes with nothing to write may leave early)
+    if (dst.slot < 0) continue;
     uint8_t* slot = p.cache.data + (dst.slot >> block_shift) * p.cache.stride_block +
                     (dst.slot & (p.cache.block_size - 1)) * p.cache.stride_token + dst.head * p.cache.stride_head;
     store_halfwords<kKeyChunk>(slot + part * kKeyChunk, key_words);
@@ -198,7 +207,6 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
       halves[L.value_scale_offset / 2] = q.scale_bits;
       halves[L.value_zero_offset / 2] = q.zero_bits;
       if (L.slot_size_aligned > L.slot_size) slot[L.slot_size] = 0;  // padding byte
-    }
     }
   }
 }
@@ -233,7 +241,10 @@ bool cuda_supports_head_dim(const SlotLayout& layout) {
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
   if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
   if (p.cache.block_size <= 0 || (p.cache.block_size & (p.cache.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  const LloydMaxGrid grid = p.layout.key_format == KeyFormat::kFp8 ? LloydMaxGrid{} : make_lloyd_max_grid(p.codebook);
+  const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
+  // The kernel's binary search takes 2^key_bits levels from its template: the codebook must agree.
+  if (!fp8 && p.codebook.levels != (1 << p.layout.key_bits)) return cudaErrorInvalidValue;
+  const LloydMaxGrid grid = fp8 ? LloydMaxGrid{} : make_lloyd_max_grid(p.codebook);
   const StoreLaunch launch{p, grid, stream};
   return dispatch_slot_kernel(p.dtype, p.layout, VisitPresetBits<StoreLaunch>{p.layout, launch});
 }

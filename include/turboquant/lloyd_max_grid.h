@@ -36,7 +36,9 @@ struct LloydMaxGrid {
 };
 
 // Valid for |y| * scale < 2^21, i.e. any coordinate of a unit vector (the store only uses the
-// grid for finite keys, whose normalized rotated coordinates are at most 1 in magnitude).
+// grid for finite keys, whose normalized rotated coordinates are at most 1 in magnitude). A NaN y
+// lands in some cell and gets an index there, unlike lloyd_max_index's 0: another reason the
+// kernel takes the binary search for non-finite keys.
 TQ_HD int grid_cell(float y, float scale, float biased_offset) {
   const float biased = fma_rn(y, scale, biased_offset);
   const int cell = static_cast<int>(float_bits(biased) - float_bits(kRoundingBias));
@@ -47,14 +49,16 @@ TQ_HD uint32_t lloyd_max_index_on_grid(float y, const GridCell& c) {
   return c.below + (c.midpoint <= y ? 1u : 0u);
 }
 
-// The grid of a codebook: cells centered on 0, the outermost midpoints one cell inside the ends.
+// The grid of a codebook: cells centered on 0 (0 lands in cell 32), the outermost midpoints in
+// cells 1 and 63. Unusable (kernel falls back to the binary search) for codebooks it cannot hold.
 TQ_HD LloydMaxGrid make_lloyd_max_grid(const Codebook& codebook) {
   LloydMaxGrid g;
   const int mids = codebook.levels - 1;
-  if (mids < 1 || mids > kGridCells) return g;
+  if (mids < 1 || mids > kMaxCodebookLevels - 1) return g;
   float reach = 0.0f;
   for (int j = 0; j < mids; ++j) reach = fmaxf(reach, fabsf(codebook.midpoint[j]));
-  if (!(reach > 0.0f && reach < 1.0f)) return g;  // midpoints of a unit vector's coordinates
+  // Midpoints of a unit vector's coordinates, spread enough that |y| <= 1 keeps |y| * scale < 2^21.
+  if (!(reach >= 0x1p-15f && reach < 1.0f)) return g;
   g.scale = static_cast<float>(kGridCells / 2 - 1) / reach;
   g.biased_offset = kRoundingBias + static_cast<float>(kGridCells / 2);
   int cell_of[kMaxCodebookLevels];

@@ -2,7 +2,8 @@
 // stream where index i occupies bits [b*i, b*i + b). For 4 bits byte j = idx[2j] | idx[2j+1] << 4;
 // for 3 bits every group of 8 indices is a 24-bit little-endian integer at byte offset 3g.
 // These scalar forms are the single definition used by the CPU code and the CUDA kernels'
-// unpacking; kernels use word-wide variants of the same rule (bit_extract below).
+// unpacking; kernels use word-wide variants of the same rule (bit_extract below; pack_codes for
+// the store's per-lane pieces).
 #pragma once
 
 #include <cstdint>

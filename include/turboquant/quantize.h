@@ -48,7 +48,11 @@ struct ValueQuantParams {
   float zero;   // value of the stored fp16 zero
 };
 
+// vmin and vmax as min/max reductions found them; + 0.0f turns -0 into +0, so the order in which
+// a reduction met +0 and -0 (which fminf/fmaxf leave unspecified) cannot change the stored bytes.
 TQ_HD ValueQuantParams value_quant_params(float vmin, float vmax, int value_bits) {
+  vmin = vmin + 0.0f;
+  vmax = vmax + 0.0f;
   ValueQuantParams p;
   const float levels_minus_one = static_cast<float>((1 << value_bits) - 1);
   p.scale_bits = float_to_half_bits((vmax - vmin) / levels_minus_one);
@@ -118,16 +122,25 @@ TQ_HD float fma_rn(float a, float b, float c) {
 #endif
 }
 
-// ---- x / d for many x and one d, still correctly rounded: one reciprocal per divisor, then one
-// multiply and two FMAs per quotient (Markstein's correction: with r = RN(1/d) and q = RN(x * r)
-// within an ulp of x / d, the residual x - d * q is exact and q + r * residual rounds to x / d).
-// An IEEE division costs a dozen instructions and a slow-path branch on the GPU, and the store
-// divides every key and value element. Preconditions: reciprocal_division_exact(d) (d and 1/d
-// normal, checked once per divisor) and x / d finite or x NaN (NaN propagates); the caller
-// guarantees it per vector. Quotients in the subnormal range may differ by one ulp.
+// ---- x / d for many x and one d: one reciprocal per divisor, then one multiply and two FMAs per
+// quotient (Markstein's correction: with r = RN(1/d) and q = RN(x * r) within an ulp of x / d, the
+// residual x - d * q is exact and q + r * residual rounds to x / d). An IEEE division costs a
+// dozen instructions and a slow-path branch on the GPU, and the store divides every key and value
+// element. The correction needs a residual that does not underflow:
+//   * reciprocal_division_exact(d): d and 1/d normal (checked once per divisor);
+//   * quotients_exact(r, smallest |x|): every dividend and quotient far from the subnormal range
+//     (a zero dividend fails too: -0 / d would come back +0). Under both, divide_by_reciprocal(x)
+//     equals x / d bit for bit (GTest); NaN propagates, an overflowing quotient comes back inf.
+// Without the second check, tiny dividends (|x| < ~2^-110) can be one ulp off — for keys that can
+// move a coordinate across the midpoint 0, so the store checks it per lane and falls back to x / d.
+// Value codes need only the first: an inexact quotient is tiny and codes to 0 either way.
 TQ_HD bool reciprocal_division_exact(float d) {
   const float a = fabsf(d);
   return a >= 0x1p-125f && a <= 0x1p125f;  // NaN fails both
+}
+TQ_HD bool quotients_exact(float reciprocal, float smallest_abs_dividend) {
+  constexpr float kFloor = 0x1p-100f;  // residuals stay above 2^-124: normal
+  return smallest_abs_dividend >= kFloor && smallest_abs_dividend * fabsf(reciprocal) >= kFloor;
 }
 TQ_HD float divide_by_reciprocal(float x, float d, float reciprocal) {
   const float q = mul_rn(x, reciprocal);
@@ -135,9 +148,10 @@ TQ_HD float divide_by_reciprocal(float x, float d, float reciprocal) {
   return fma_rn(residual, reciprocal, q);
 }
 
-// Lanes of a warp that hold one head vector in the CUDA store, E = n / lanes elements each
-// (about 16, so a warp stores several vectors and its reductions stay short): 4 for n = 64,
-// 6 -> 8 for 96, 8 for 128, 16 for 256. The norm's summation order follows this split.
+// Lanes of a warp that hold one head vector in the CUDA store: the smallest power of two giving
+// each lane at most 16 elements, so a warp stores several vectors and its reductions stay short.
+// n = 64: 4 lanes x 16; 96: 8 x 12; 128: 8 x 16; 256: 16 x 16. The norm's summation order
+// follows this split.
 TQ_HD constexpr int vector_lanes(int n) {
   int lanes = 1;
   while (lanes < 32 && lanes * 16 < n) lanes *= 2;
@@ -146,8 +160,9 @@ TQ_HD constexpr int vector_lanes(int n) {
 
 // Sum of squares in the exact order the CUDA store computes it when lane i of a group of
 // L = vector_lanes(n) lanes holds elements [i*E, (i+1)*E), E = n/L: each lane accumulates its
-// squares in order with FMAs (one instruction per element on the GPU), then an xor butterfly (offsets L/2, ..., 2, 1) combines the lanes. The CPU reference uses
-// this order too, so both sides produce the same norm bits. A plain loop when L does not divide n.
+// squares in order with FMAs (one instruction per element on the GPU), then an xor butterfly
+// (offsets L/2, ..., 2, 1) combines the lanes. The CPU reference uses this order too, so both
+// sides produce the same norm bits. A plain loop when L does not divide n.
 TQ_HD float sum_of_squares_lane_order(const float* x, int n) {
   constexpr int kMaxLanes = 32;
   const int lanes = vector_lanes(n);

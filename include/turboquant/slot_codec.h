@@ -1,6 +1,7 @@
 // Whole-slot encode/decode on the host: the CPU reference of store_kv / decode / dequantize.
-// The CUDA kernels implement the same steps warp-parallel with the same per-element rules
-// (quantize.h, packing.h, numeric.h).
+// The CUDA kernels implement the same steps in parallel (the store: a group of lanes per vector)
+// with the same per-element rules (quantize.h, packing.h, numeric.h), or with shortcuts shown
+// equal to them (divide_by_reciprocal, lloyd_max_grid.h; tests/cpp/test_store_rules.cpp).
 #pragma once
 
 #include <cstdint>

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .cache import allocate_kv_cache
 from .ops import decode, decode_varlen, dequantize, store_kv
@@ -84,7 +85,6 @@ class PagedAttentionLayer:
     def _sdpa(q, k, v, scale):
         """q [m, Hq, D] attends k, v [n, Hkv, D] (n >= m), causal aligned to the bottom right: query i
         sees keys < n - m + i + 1. In q's dtype, so flash/efficient kernels take it on the GPU."""
-        from torch.nn.attention.bias import causal_lower_right
         m, n = q.shape[0], k.shape[0]
         group = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),

@@ -24,8 +24,10 @@ def _unpack(fields: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 
 
 def _compare_caches(gpu: torch.Tensor, cpu: torch.Tensor, preset: str, head_dim: int) -> float:
-    """Asserts the two caches agree (SPEC: indices may differ only within rounding of a midpoint,
-    < 1e-4 of them; fp16 fields within one ulp). Returns the fraction of differing key indices."""
+    """Asserts the two caches agree within what issue #3 allows (indices may differ only within
+    rounding of a midpoint, < 1e-4 of them; fp16 fields within one ulp). Returns the fraction of
+    differing key indices. The kernel aims at identical bytes;
+    test_store_bytes_identical_for_tiny_elements_and_signed_zeros asserts that where it is fragile."""
     info, layout = tq.preset_info(preset), tq.slot_layout(preset, head_dim)
     g = gpu.cpu().reshape(-1, layout.slot_size_aligned)
     c = cpu.reshape(-1, layout.slot_size_aligned)
@@ -225,6 +227,37 @@ def test_cuda_bad_input_messages():
         tq.store_kv(torch.randn(1, 2, 32, device="cuda"), torch.randn(1, 2, 32, device="cuda"), c32,
                     torch.zeros(1, dtype=torch.int32, device="cuda"), "turboquant_4bit_nc")
 
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_store_bytes_identical_for_tiny_elements_and_signed_zeros(preset, head_dim):
+    """The kernel's shortcuts (shared-reciprocal division, grid bucketing) must give the CPU's
+    bytes exactly, including where they are fragile: fp32 key elements so small that a one-ulp
+    quotient error flips a coordinate across the midpoint 0 (a review's reproducers), keys of
+    zeros with one tiny element, and values mixing +0 and -0."""
+    torch.manual_seed(3)
+    n, heads = 64, 2
+    key = torch.randn(n, heads, head_dim) * 2
+    key[0] = 0.0
+    key[0, :, :2] = 4.0
+    key[0, :, 2] = -float.fromhex("0x1.fp-145")
+    key[1] = 0.0
+    key[1, :, :2] = 1.0
+    key[1, :, 2] = -float.fromhex("0x1.8p-146")
+    key[2] = 0.0
+    key[2, :, 5] = float.fromhex("0x1p-120")
+    key[3, :, ::3] = -float.fromhex("0x1p-130")
+    value = torch.randn(n, heads, head_dim)
+    value[4] = 0.0
+    value[4, :, ::2] = -0.0
+    value[5] = -0.0
+    cpu = tq.allocate_kv_cache(8, 16, heads, head_dim, preset)
+    gpu = cpu.cuda()
+    slots = torch.arange(n)
+    tq.store_kv(key, value, cpu, slots, preset)
+    tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), preset)
+    assert torch.equal(gpu.cpu(), cpu)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
