@@ -3,8 +3,12 @@ cache of the same shape (best of its backends), in one process, plus the copy ba
 
     python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick] [--out results.md]
 
+Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation
+(both for turboquant and for SDPA), so small shapes measure the kernels rather than Python and
+launch overhead; the eager ratio (back-to-back calls, what a Python loop sees) is printed too.
 Prints time, GB/s over the packed bytes, % of copy bandwidth and the speed-up over SDPA bf16;
-then graph-replay latency for small batches.
+then graph-replay latency for small batches. Tables in RESULTS.md before 2026-12-02 (session 3)
+used eager times.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from timing import append_markdown, copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, time_us  # noqa: E402
+from timing import (append_markdown, copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, graph_replays,  # noqa: E402
+                    time_us)
 
 SHAPES = {  # (B, Hq, Hkv, L)
     "default": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (64, 32, 8, 4096), (128, 32, 8, 2048),
@@ -48,9 +53,10 @@ def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_
     return cache, order.view(b, blocks_per_seq).int()
 
 
-def sdpa_best_us(b, hq, hkv, length):
+def sdpa_best_us(b, hq, hkv, length, graphed=False):
     """Best SDPA bf16 time over the cuDNN, flash and efficient backends (GQA without expanding
-    K/V when the backend allows it). Returns (us, backend name)."""
+    K/V when the backend allows it). Returns (us, backend name); eager back-to-back calls, or CUDA
+    graph replays when `graphed` (a backend that cannot be captured is skipped then)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sets = []
     for _ in range(copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
@@ -63,7 +69,7 @@ def sdpa_best_us(b, hq, hkv, length):
         try:
             with sdpa_kernel(backend):
                 fns = [lambda s=s: F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True) for s in sets]
-                us = time_us(fns)
+                us = time_us(graph_replays(fns) if graphed else fns)
             best = min(best, (us, backend.name.lower()))
         except RuntimeError:
             continue
@@ -84,11 +90,13 @@ def main():
     name = torch.cuda.get_device_name()
     lines = [f"Decode, D={HEAD_DIM}, block_size {BLOCK_SIZE}, {name}, copy bandwidth {copy_bw:.0f} GB/s "
              f"(read+write); {datetime.date.today()}", "",
-             "| B | Hq | Hkv | L | preset | splits | us | GB/s packed | % copy BW | SDPA bf16 us (backend) | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | Hq | Hkv | L | preset | splits | us (graph) | GB/s packed | % copy BW | SDPA bf16 us (graph, backend) "
+             "| speed-up | eager us: ours / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
     for (b, hq, hkv, length) in SHAPES[a.shapes]:
-        sdpa_us, backend = sdpa_best_us(b, hq, hkv, length)
+        sdpa_us, backend = sdpa_best_us(b, hq, hkv, length, graphed=True)
+        sdpa_eager_us, _ = sdpa_best_us(b, hq, hkv, length)
         for preset in a.presets:
             slot = tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
             packed = b * hkv * length * slot
@@ -96,11 +104,13 @@ def main():
             q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
             fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, a.num_splits) for c in caches]
-            us = time_us(fns)
+            us = time_us(graph_replays(fns))
+            eager_us = time_us(fns)
             gbs = packed / (us * 1e-6) / 1e9
             splits = a.num_splits or "auto"
             row = (f"| {b} | {hq} | {hkv} | {length} | {preset.replace('turboquant_', '')} | {splits} | {us:.1f} | "
-                   f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {sdpa_us:.1f} ({backend}) | {sdpa_us / us:.2f}x |")
+                   f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {sdpa_us:.1f} ({backend}) | {sdpa_us / us:.2f}x | "
+                   f"{eager_us:.1f} / {sdpa_eager_us:.1f} |")
             lines.append(row)
             print(row, flush=True)
             del caches

@@ -36,18 +36,29 @@ def time_us(fns: Sequence[Callable[[], object]], reps: int = 30, calls_per_rep: 
     return statistics.median(samples)
 
 
-def graph_replay_us(fn: Callable[[], object], reps: int = 50, replays_per_rep: int = 20) -> float:
-    """Median time of one replay of a CUDA graph that captured one call of `fn`."""
+def graph_replays(fns: Sequence[Callable[[], object]]) -> list[Callable[[], object]]:
+    """Captures each closure in its own CUDA graph (after a warm-up on a side stream) and returns the
+    replay functions: timing them measures GPU time without the host's per-call launch overhead,
+    which dominates eager calls of small shapes (~30 us of Python and launches per step)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
-        fn()
+        for f in fns:
+            f()
+            f()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_us([graph.replay], reps=reps, calls_per_rep=replays_per_rep)
+    graphs = []
+    for f in fns:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            f()
+        graphs.append(graph)
+    return [g.replay for g in graphs]
+
+
+def graph_replay_us(fn: Callable[[], object], reps: int = 50, replays_per_rep: int = 20) -> float:
+    """Median time of one replay of a CUDA graph that captured one call of `fn`."""
+    return time_us(graph_replays([fn]), reps=reps, calls_per_rep=replays_per_rep)
 
 
 def append_markdown(path: str | None, lines: list[str]) -> None:
