@@ -71,18 +71,19 @@ if has speed; then  # context/batch sweep, plots and section in benchmarks/RESUL
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
   tail -40 "$OUT/RESULTS.md"
 fi
-# Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX SCRIPT
+# Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX WHICH
+# (WHICH: decode or store, the argument of benchmarks/profile_kernels.py)
 ncu_profile() {
-  local name=$1 kernel=$2 script=$3
+  local name=$1 kernel=$2 which=$3
   timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
-    --set full --import-source yes -o "$OUT/$name" -f "$PYTHON" "$script" > "$OUT/ncu_run_$name.log" 2>&1 || status=1
+    --set full --import-source yes -o "$OUT/$name" -f "$PYTHON" benchmarks/profile_kernels.py "$which" > "$OUT/ncu_run_$name.log" 2>&1 || status=1
   ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$name.csv" 2>&1
   echo "== ncu $name"
   grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per|Executed Ipc A)" "$OUT/ncu_$name.txt"
 }
-if has profile; then ncu_profile decode_profile decode_kernel benchmarks/profile_decode.py; fi
-if has profile_store; then ncu_profile store_profile store_kv_kernel benchmarks/profile_store.py; fi
+if has profile; then ncu_profile decode_profile decode_kernel decode; fi
+if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 echo "== done in $(( $(date +%s) - start )) s"
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
 logs=$(cd "$OUT" && ls *.log *.txt *.csv 2>/dev/null)
