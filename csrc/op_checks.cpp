@@ -121,13 +121,14 @@ static void check_block_table_and_seq_lens(const at::Tensor& block_table, const 
               " entries (batch), got ", seq_lens.size(0));
 }
 
-DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache,
-                             const at::Tensor& block_table, const at::Tensor& seq_lens,
-                             const std::string& preset, int64_t num_splits) {
+// Query, cache, block table and lengths of a decode; the block table has `batch` rows.
+static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor& kv_cache,
+                                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                      const std::string& preset, int64_t num_splits, int64_t batch,
+                                      const char* query_shape) {
   DecodeArgs a;
   a.preset = &get_preset(preset);
-  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D [batch, num_q_heads, head_dim], got shape ",
-              query.sizes());
+  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D ", query_shape, ", got shape ", query.sizes());
   TQ_CHECK(is_float_dtype(query.scalar_type()),
               "turboquant: query must be float16, bfloat16 or float32, got ", query.scalar_type());
   TQ_CHECK(query.is_contiguous(), "turboquant: query must be contiguous");
@@ -136,15 +137,50 @@ DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache
   TQ_CHECK(a.cache.num_kv_heads > 0 && query.size(1) % a.cache.num_kv_heads == 0,
               "turboquant: query heads (", query.size(1),
               ") must be a multiple of kv_cache heads (", a.cache.num_kv_heads, ")");
-  check_block_table_and_seq_lens(block_table, seq_lens, query.size(0));
+  check_block_table_and_seq_lens(block_table, seq_lens, batch);
   TQ_CHECK(num_splits >= 0, "turboquant: num_splits must be >= 0 (0 = choose), got ", num_splits);
   check_same_device(query, "query", kv_cache, "kv_cache");
   check_same_device(query, "query", block_table, "block_table");
   check_same_device(query, "query", seq_lens, "seq_lens");
-  a.batch = query.size(0);
+  a.batch = batch;
   a.num_q_heads = query.size(1);
   a.max_blocks_per_seq = block_table.size(1);
   return a;
+}
+
+DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& block_table, const at::Tensor& seq_lens,
+                             const std::string& preset, int64_t num_splits) {
+  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D [batch, num_q_heads, head_dim], got shape ",
+              query.sizes());
+  return check_decode_common(query, kv_cache, block_table, seq_lens, preset, num_splits, query.size(0),
+                             "[batch, num_q_heads, head_dim]");
+}
+
+DecodeArgs check_decode_varlen_args(const at::Tensor& query, const at::Tensor& kv_cache,
+                                    const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                    const at::Tensor& query_start_loc, const std::string& preset,
+                                    int64_t num_splits) {
+  check_index_tensor(query_start_loc, "query_start_loc", 1, /*allow_int64=*/false);
+  TQ_CHECK(query_start_loc.size(0) >= 1, "turboquant: query_start_loc must have batch + 1 >= 1 entries, got 0");
+  const int64_t batch = query_start_loc.size(0) - 1;
+  DecodeArgs a = check_decode_common(query, kv_cache, block_table, seq_lens, preset, num_splits, batch,
+                                     "[total_q, num_q_heads, head_dim]");
+  check_same_device(query, "query", query_start_loc, "query_start_loc");
+  return a;
+}
+
+void check_query_start_loc_values(const at::Tensor& query_start_loc, int64_t total_q) {
+  const at::Tensor s = query_start_loc.to(at::kCPU);
+  const int32_t* p = s.data_ptr<int32_t>();
+  const int64_t n = s.numel();
+  TQ_CHECK(p[0] >= 0, "turboquant: query_start_loc[0] must be >= 0, got ", p[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    TQ_CHECK(p[i] >= p[i - 1], "turboquant: query_start_loc must be non-decreasing, got query_start_loc[", i,
+                "] = ", p[i], " < query_start_loc[", i - 1, "] = ", p[i - 1]);
+  }
+  TQ_CHECK(p[n - 1] <= total_q, "turboquant: query_start_loc[", n - 1, "] = ", p[n - 1],
+              " is past the query's ", total_q, " rows");
 }
 
 DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& block_table,

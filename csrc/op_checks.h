@@ -38,6 +38,14 @@ DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
                              const std::string& preset, int64_t num_splits);
 
+// decode_varlen: query [total_q, Hq, D], query_start_loc int32 [batch + 1] (shape and device only;
+// the values are checked by check_query_start_loc_values, a host copy).
+DecodeArgs check_decode_varlen_args(const at::Tensor& query, const at::Tensor& kv_cache,
+                                    const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                    const at::Tensor& query_start_loc, const std::string& preset,
+                                    int64_t num_splits);
+void check_query_start_loc_values(const at::Tensor& query_start_loc, int64_t total_q);
+
 // dequantize has no head_dim argument: it is recovered from the cache's slot size.
 DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& block_table,
                                  const at::Tensor& seq_lens, const std::string& preset,

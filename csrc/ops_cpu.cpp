@@ -13,6 +13,7 @@
 
 #include "op_checks.h"
 #include "turboquant/lloyd_max.h"
+#include "turboquant/query_chunks.h"
 #include "turboquant/slot_codec.h"
 #include "turboquant/split_plan.h"
 
@@ -178,6 +179,33 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
   return to_output_dtype(out, query.scalar_type());
 }
 
+// Multi-token queries: each query row is one decode row with its sequence's block-table row and
+// its own causal length (turboquant/query_chunks.h), so the reference is the decode itself. Rows
+// outside every sequence's range get length 0, hence zeros.
+at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                             c10::string_view preset, double scale, int64_t num_splits) {
+  const DecodeArgs a = check_decode_varlen_args(query, kv_cache, block_table, seq_lens, query_start_loc,
+                                                std::string(preset), num_splits);
+  const int64_t total_q = query.size(0);
+  check_query_start_loc_values(query_start_loc, total_q);
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  at::Tensor row_tables = at::zeros({total_q, a.max_blocks_per_seq}, block_table.options());
+  at::Tensor row_lens = at::zeros({total_q}, seq_lens.options());
+  int32_t* rt = row_tables.data_ptr<int32_t>();
+  int32_t* rl = row_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int q_len = starts[b + 1] - starts[b];
+    for (int row = starts[b]; row < starts[b + 1]; ++row) {
+      std::copy(bt + b * a.max_blocks_per_seq, bt + (b + 1) * a.max_blocks_per_seq, rt + row * a.max_blocks_per_seq);
+      rl[row] = causal_limit(lens[b], q_len, row - starts[b]);
+    }
+  }
+  return decode_cpu(query, kv_cache, row_tables, row_lens, preset, scale, num_splits);
+}
+
 void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                          c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out) {
   const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), key_out.scalar_type());
@@ -231,6 +259,7 @@ std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache, co
 TORCH_LIBRARY_IMPL(turboquant, CPU, m) {
   m.impl("store_kv", &store_kv_cpu);
   m.impl("decode", &decode_cpu);
+  m.impl("decode_varlen", &decode_varlen_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("dequantize_into", &dequantize_into_cpu);
 }

@@ -66,9 +66,8 @@ void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   check_launch(launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
 }
 
-at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits) {
-  const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
+// Checks shared by decode and decode_varlen on CUDA (the kernel's dtype and alignment needs).
+void check_cuda_decode_inputs(const at::Tensor& query, const at::Tensor& kv_cache, const DecodeArgs& a) {
   check_cuda_head_dim(a.layout);
   TQ_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
               "turboquant: CUDA decode takes a float16 or bfloat16 query, got ", query.scalar_type());
@@ -77,14 +76,23 @@ at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, cons
   TQ_CHECK(a.cache.span_bytes % 16 == 0,
               "turboquant: CUDA decode copies whole 16-byte chunks, so the kv_cache view must end on a 16-byte ",
               "boundary (a whole allocated cache does); got a view spanning ", a.cache.span_bytes, " bytes");
-  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+}
+
+// One launch of the decode kernel (plus the split merge). query_start_loc undefined: plain decode.
+at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const DecodeArgs& a,
+                           double scale, int64_t num_splits) {
+  const bool varlen = query_start_loc.defined();
   const c10::cuda::CUDAGuard guard(query.device());
-  at::Tensor out = at::empty_like(query);
+  // Varlen rows outside every sequence's range are never written: zeros.
+  at::Tensor out = varlen ? at::zeros_like(query) : at::empty_like(query);
   DecodeParams p;
   p.query = query.data_ptr();
   p.out = out.data_ptr();
   p.dtype = element_type(query.scalar_type());
   p.batch = static_cast<int>(a.batch);
+  p.query_rows = static_cast<int>(query.size(0));
+  p.query_start_loc = varlen ? query_start_loc.data_ptr<int32_t>() : nullptr;
   p.num_q_heads = static_cast<int>(a.num_q_heads);
   p.cache = cache_view(kv_cache, a.cache);
   p.block_table = block_table.data_ptr<int32_t>();
@@ -98,13 +106,43 @@ at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, cons
   at::Tensor partial_out, partial_lse;
   if (p.num_splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
-    partial_out = at::empty({a.batch, a.num_q_heads, p.num_splits, a.layout.head_dim}, f32);
-    partial_lse = at::empty({a.batch, a.num_q_heads, p.num_splits}, f32);
+    const int64_t rows = query.size(0);
+    partial_out = at::empty({rows, a.num_q_heads, p.num_splits, a.layout.head_dim}, f32);
+    // -inf: rows no CTA serves (outside every sequence) merge to zeros.
+    partial_lse = varlen ? at::full({rows, a.num_q_heads, p.num_splits}, -std::numeric_limits<float>::infinity(), f32)
+                         : at::empty({rows, a.num_q_heads, p.num_splits}, f32);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
   }
-  check_launch(launch_decode(p, c10::cuda::getCurrentCUDAStream()), "decode");
+  const cudaError_t err = launch_decode(p, c10::cuda::getCurrentCUDAStream());
+  TQ_CHECK(err != cudaErrorInvalidConfiguration, "turboquant: decode_varlen supports at most 65535 query chunks ",
+              "(query rows / tokens per CTA + batch); got ", query.size(0), " query rows in ", a.batch, " sequences");
+  check_launch(err, varlen ? "decode_varlen" : "decode");
   return out;
+}
+
+at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits) {
+  const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
+  check_cuda_decode_inputs(query, kv_cache, a);
+  TQ_CHECK(a.batch <= 65535, "turboquant: CUDA decode supports a batch of at most 65535 sequences, got ", a.batch);
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits);
+}
+
+// query_start_loc's values are read on the device (clamped into the query's rows, never a host
+// sync); TURBOQUANT_CHECK_INDICES=1 also checks them on the host.
+at::Tensor decode_varlen_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, c10::string_view preset,
+                              double scale, int64_t num_splits) {
+  const DecodeArgs a = check_decode_varlen_args(query, kv_cache, block_table, seq_lens, query_start_loc,
+                                                std::string(preset), num_splits);
+  check_cuda_decode_inputs(query, kv_cache, a);
+  if (index_checking_enabled()) {
+    check_block_table_in_range(block_table, seq_lens, a.cache);
+    check_query_start_loc_values(query_start_loc, query.size(0));
+  }
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, a, scale, num_splits);
 }
 
 void dequantize_into_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -148,6 +186,7 @@ std::tuple<at::Tensor, at::Tensor> dequantize_cuda(const at::Tensor& kv_cache, c
 TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
   m.impl("store_kv", &store_kv_cuda);
   m.impl("decode", &decode_cuda);
+  m.impl("decode_varlen", &decode_varlen_cuda);
   m.impl("dequantize", &dequantize_cuda);
   m.impl("dequantize_into", &dequantize_into_cuda);
 }

@@ -36,7 +36,7 @@ namespace {
 
 constexpr int kWarps = 8;  // one pair table and one query rotation serve 8 warps
 constexpr int kThreads = kWarps * 32;
-constexpr int kHeads = kDecodeMaxHeadsPerCta;  // MMA N dimension
+constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
 constexpr int kMaxSplits = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -111,19 +111,38 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
   const int kv_head = blockIdx.x / head_chunks;
   const int head_chunk = blockIdx.x % head_chunks;
-  const int split = blockIdx.y, b = blockIdx.z;
+  const int split = blockIdx.y;
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int head0 = kv_head * group + head_chunk * kHeads;
-  const int num_heads = min(kHeads, group - head_chunk * kHeads);
+  const int num_heads = min(kHeads, group - head_chunk * kHeads);  // heads of each query token
+  // The query rows of this CTA: column j is head j % num_heads of row row0 + j / num_heads.
+  const QueryChunk chunk =
+      p.query_start_loc == nullptr
+          ? QueryChunk{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.z), 1, 0, 1}
+          : locate_query_chunk(p.query_start_loc, p.batch, p.query_rows, varlen_tokens_per_cta(group), blockIdx.z);
+  if (chunk.tokens == 0) return;  // CTA-uniform: a chunk index past its sequence's queries
+  const int b = chunk.seq;
+  const int num_columns = chunk.tokens * num_heads;
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
   const int seq_len = min(max(p.seq_lens[b], 0), max_context);
-  const TokenRange range = split_token_range(seq_len, p.num_splits, split);
+  // Causal limits of this thread's score columns 2c and 2c + 1 (0 for unused columns: masked).
+  auto column_limit = [&](int j) {
+    return j < num_columns ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + j / num_heads) : 0;
+  };
+  const int limit0 = column_limit(2 * c), limit1 = column_limit(2 * c + 1);
+  const TokenRange range = split_token_range(column_limit(num_columns - 1), p.num_splits, split);
+  auto query_row = [&](int j) -> int64_t {
+    return static_cast<int64_t>(chunk.row0 + j / num_heads) * p.num_q_heads + head0 + j % num_heads;
+  };
 
-  // ---- query heads -> shared memory (fp32), rotated for Lloyd-Max keys; pair table
+  // ---- query columns -> shared memory (fp32), rotated for Lloyd-Max keys; pair table
   float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
-  const T* query = static_cast<const T*>(p.query) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
-  for (int i = threadIdx.x; i < kHeads * D; i += kThreads) qs[i] = i / D < num_heads ? to_float(query[i]) : 0.0f;
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kHeads * D; i += kThreads) {
+    const int j = i / D;
+    qs[i] = j < num_columns ? to_float(query[query_row(j) * D + i % D]) : 0.0f;
+  }
   if constexpr (!C::kFp8Key) {
     constexpr uint32_t mask = (1u << C::KB) - 1u;
     for (int i = threadIdx.x; i < C::kPairTableWords; i += kThreads) {
@@ -165,14 +184,24 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
   const uint32_t lane_bytes = lane * 4u;  // this lane's bank of the replicated table
 
-  // Block ids, 32 tiles per window: lane i holds the block of local tile 32 * window + i. The
-  // next window is loaded when the current one starts, so its latency hides behind 32 tiles.
+  // Tile addresses, 32 tiles per window: lane i holds the byte offset of row 0 of local tile
+  // 32 * window + i (its block's base plus the tile's offset in the block and the KV head's),
+  // or -1 for a block id outside the cache. The block ids of the next window are loaded when the
+  // current one starts, so their latency hides behind 32 tiles, and each tile then costs two
+  // shuffles and an add instead of 64-bit index math.
   auto tile_start = [&](int local_tile) { return range.begin + (warp + local_tile * kWarps) * kTokenTile; };
-  auto load_block_ids = [&](int window) -> int {
+  auto load_block_id = [&](int window) -> int {
     const int local = window * 32 + lane;
     return local < my_tiles ? block_row[tile_start(local) >> block_shift] : -1;
   };
-  int block_ids = load_block_ids(0), next_block_ids = load_block_ids(1);
+  auto tile_base = [&](int window, int block) -> int64_t {
+    const int t0 = tile_start(window * 32 + lane);
+    return block >= 0 && block < p.cache.num_blocks
+               ? block * p.cache.stride_block + (t0 & (block_size - 1)) * p.cache.stride_token + head_offset
+               : int64_t(-1);
+  };
+  int64_t tile_bases = tile_base(0, load_block_id(0));
+  int next_block_id = load_block_id(1);
 
   // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the aligned
   // 16-byte chunks around the slot. Every lane commits one cp.async group per tile (empty or
@@ -180,27 +209,36 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   // Returns the tile's row codes, known to every lane: 4 bits per row (bit 3: row valid, bits
   // 0-2: the slot's offset in its first chunk / 2), rows 0-7 in .x and 8-15 in .y. They stay in
   // registers until the tile is consumed, so no shared-memory load heads the consumer's chain.
+  const int r = lane & 15, half = lane >> 4;
+  const int64_t row_offset = static_cast<int64_t>(r) * p.cache.stride_token;
+  // Slots whose aligned chunks all end inside the cache view copy without a per-chunk bound check.
+  const int64_t all_chunks_limit = p.cache.span_bytes - 16 * C::kChunks;
+  uint8_t* const ring_row = ring + r * C::kRowBytes + 16 * half;
   auto issue_tile = [&](int local_tile, int dst_stage) -> uint2 {
-    if ((local_tile & 31) == 0 && local_tile > 0) {  // warp-uniform: a new window of block ids
-      block_ids = next_block_ids;
-      next_block_ids = load_block_ids((local_tile >> 5) + 1);
+    if ((local_tile & 31) == 0 && local_tile > 0) {  // warp-uniform: a new window of tiles
+      const int window = local_tile >> 5;
+      tile_bases = tile_base(window, next_block_id);
+      next_block_id = load_block_id(window + 1);
     }
-    const int64_t block = __shfl_sync(kFullMask, block_ids, local_tile & 31);
-    const int t0 = tile_start(local_tile);  // a tile never straddles blocks
-    const int r = lane & 15, half = lane >> 4;
-    const bool row_ok = block >= 0 && block < p.cache.num_blocks && t0 + r < range.end;
-    const int64_t slot = block * p.cache.stride_block +
-                         static_cast<int64_t>((t0 & (block_size - 1)) + r) * p.cache.stride_token + head_offset;
+    const int64_t base = __shfl_sync(kFullMask, tile_bases, local_tile & 31);
+    const bool row_ok = base >= 0 && tile_start(local_tile) + r < range.end;  // a tile never straddles blocks
+    const int64_t slot = base + row_offset;
     const int64_t first = slot & ~int64_t(15);
     if (row_ok) {
-      // The host guarantees span_bytes is a multiple of 16: a chunk is wholly inside or out.
-      const int64_t left = (p.cache.span_bytes - first) >> 4;
-      const int chunks = left < C::kChunks ? static_cast<int>(left) : C::kChunks;
       const uint8_t* src = p.cache.data + first + 16 * half;
-      uint8_t* dst = ring + dst_stage * C::kStageBytes + r * C::kRowBytes + 16 * half;
+      uint8_t* dst = ring_row + dst_stage * C::kStageBytes;
+      if (first <= all_chunks_limit) {
 #pragma unroll
-      for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
-        if (half + 2 * k < chunks) cp_async_16(dst + 32 * k, src + 32 * k);
+        for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
+          if (half + 2 * k < C::kChunks) cp_async_16(dst + 32 * k, src + 32 * k);
+        }
+      } else {
+        // The host guarantees span_bytes is a multiple of 16: a chunk is wholly inside or out.
+        const int chunks = static_cast<int>((p.cache.span_bytes - first) >> 4);
+#pragma unroll
+        for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
+          if (half + 2 * k < chunks) cp_async_16(dst + 32 * k, src + 32 * k);
+        }
       }
     }
     cp_async_commit();
@@ -282,35 +320,32 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       norm_lo = load_half(slot_lo + C::kLayout.key_norm_offset);
       norm_hi = load_half(slot_hi + C::kLayout.key_norm_offset);
     }
-    // Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
-    const float s0 = valid_lo ? sc[0] * norm_lo : -INFINITY;
-    const float s1 = valid_lo ? sc[1] * norm_lo : -INFINITY;
-    const float s2 = valid_hi ? sc[2] * norm_hi : -INFINITY;
-    const float s3 = valid_hi ? sc[3] * norm_hi : -INFINITY;
+    // Masked tokens (past the range, a bad block id, or past the column's causal limit) get -inf
+    // by selection, so garbage in their bytes cannot leak in.
+    const int pos_lo = tile_start(it) + g, pos_hi = pos_lo + 8;
+    const float s0 = valid_lo && pos_lo < limit0 ? sc[0] * norm_lo : -INFINITY;
+    const float s1 = valid_lo && pos_lo < limit1 ? sc[1] * norm_lo : -INFINITY;
+    const float s2 = valid_hi && pos_hi < limit0 ? sc[2] * norm_hi : -INFINITY;
+    const float s3 = valid_hi && pos_hi < limit1 ? sc[3] * norm_hi : -INFINITY;
 
-    // online softmax per head (a head's 16 tokens live in the 8 lanes sharing c)
-    float t0 = fmaxf(s0, s2), t1 = fmaxf(s1, s3);
+    // Online softmax per head (a head's 16 tokens live in the 8 lanes sharing c). Once the running
+    // max settles, no score of a tile exceeds it: the max is then unchanged, the rescale factors
+    // are exactly 1, and the cross-lane reduction (three dependent shuffle rounds at the head of
+    // every tile's chain) is skipped. A warp-uniform vote picks the path, so results are bit-equal.
+    const float t0 = fmaxf(s0, s2), t1 = fmaxf(s1, s3);
+    float alpha0 = 1.0f, alpha1 = 1.0f;
+    if (__any_sync(kFullMask, t0 > m[0] || t1 > m[1])) {
+      float r0 = t0, r1 = t1;
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      t0 = fmaxf(t0, __shfl_xor_sync(kFullMask, t0, off));
-      t1 = fmaxf(t1, __shfl_xor_sync(kFullMask, t1, off));
-    }
-    const float m0 = fmaxf(m[0], t0), m1 = fmaxf(m[1], t1);
-    const float base0 = m0 == -INFINITY ? 0.0f : m0, base1 = m1 == -INFINITY ? 0.0f : m1;
-    const float alpha0 = exp2_ftz(m[0] - base0), alpha1 = exp2_ftz(m[1] - base1);
-    const float p0 = exp2_ftz(s0 - base0), p1 = exp2_ftz(s1 - base1);
-    const float p2 = exp2_ftz(s2 - base0), p3 = exp2_ftz(s3 - base1);
-    m[0] = m0;
-    m[1] = m1;
-    l[0] = l[0] * alpha0 + (p0 + p2);
-    l[1] = l[1] * alpha1 + (p1 + p3);
-    const float vs_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_scale_offset) : 0.0f;
-    const float vz_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_zero_offset) : 0.0f;
-    const float vs_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_scale_offset) : 0.0f;
-    const float vz_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_zero_offset) : 0.0f;
-    z[0] = z[0] * alpha0 + (p0 * vz_lo + p2 * vz_hi);
-    z[1] = z[1] * alpha1 + (p1 * vz_lo + p3 * vz_hi);
-    if (__any_sync(kFullMask, alpha0 != 1.0f || alpha1 != 1.0f)) {  // rare once the max settles
+      for (int off = 4; off < 32; off <<= 1) {
+        r0 = fmaxf(r0, __shfl_xor_sync(kFullMask, r0, off));
+        r1 = fmaxf(r1, __shfl_xor_sync(kFullMask, r1, off));
+      }
+      const float m0 = fmaxf(m[0], r0), m1 = fmaxf(m[1], r1);
+      alpha0 = exp2_ftz(m[0] - (m0 == -INFINITY ? 0.0f : m0));
+      alpha1 = exp2_ftz(m[1] - (m1 == -INFINITY ? 0.0f : m1));
+      m[0] = m0;
+      m[1] = m1;
 #pragma unroll
       for (int i = 0; i < C::kKSteps; ++i) {
         acc[i][0] *= alpha0;
@@ -319,6 +354,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         acc[i][3] *= alpha1;
       }
     }
+    const float base0 = m[0] == -INFINITY ? 0.0f : m[0], base1 = m[1] == -INFINITY ? 0.0f : m[1];
+    const float p0 = exp2_ftz(s0 - base0), p1 = exp2_ftz(s1 - base1);
+    const float p2 = exp2_ftz(s2 - base0), p3 = exp2_ftz(s3 - base1);
+    l[0] = l[0] * alpha0 + (p0 + p2);
+    l[1] = l[1] * alpha1 + (p1 + p3);
+    const float vs_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_scale_offset) : 0.0f;
+    const float vz_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_zero_offset) : 0.0f;
+    const float vs_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_scale_offset) : 0.0f;
+    const float vz_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_zero_offset) : 0.0f;
+    z[0] = z[0] * alpha0 + (p0 * vz_lo + p2 * vz_hi);
+    z[1] = z[1] * alpha1 + (p1 * vz_lo + p3 * vz_hi);
     // B = (P * value_scale)^T: transpose the C-layout tiles (tokens x heads) in registers.
     const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
     const uint32_t pb1 = movmatrix_trans(pack_half2(p2 * vs_hi, p3 * vs_hi));
@@ -387,8 +433,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < num_heads * D; idx += kThreads) {
-    const int h = idx / D, d = idx % D;
+  for (int idx = threadIdx.x; idx < num_columns * D; idx += kThreads) {
+    const int h = idx / D, d = idx % D;  // h: the column
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, merge[(w * kHeads + h) * kRow + D]);
@@ -405,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       out = num / den;
       lse = mx + log2f(den);
     }
-    const int64_t row = static_cast<int64_t>(b) * p.num_q_heads + head0 + h;
+    const int64_t row = query_row(h);
     if (p.num_splits == 1) {
       static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
     } else {
@@ -446,6 +492,12 @@ int head_chunks_of(const DecodeParams& p) {
   return cdiv(p.num_q_heads / p.cache.num_kv_heads, kHeads);
 }
 
+// Grid z: one CTA row per sequence (plain decode) or per chunk of query tokens (varlen).
+int query_chunks_of(const DecodeParams& p) {
+  if (p.query_start_loc == nullptr) return p.batch;
+  return varlen_query_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
+}
+
 // Once per instantiation (and process): opt in to the shared memory it needs.
 template <class C, typename T>
 cudaError_t prepare_decode_kernel() {
@@ -463,11 +515,11 @@ struct LaunchDecode {
     if (err != cudaSuccess) return err;
     const int head_chunks = head_chunks_of(p);
     const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
-    const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, p.batch);
+    const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, query_chunks_of(p));
     decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks);
     err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
-    merge_splits_kernel<T><<<p.batch * p.num_q_heads, 128, 0, stream>>>(p, C::D);
+    merge_splits_kernel<T><<<p.query_rows * p.num_q_heads, 128, 0, stream>>>(p, C::D);
     return cudaGetLastError();
   }
 };
@@ -519,15 +571,15 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 int decode_default_num_splits(const DecodeParams& p) {
   int per_sm = 1;
   visit_decode_config(p, ResidentCtas{&per_sm});
-  const int splits = default_num_splits(p.batch, p.cache.num_kv_heads * head_chunks_of(p),
+  const int splits = default_num_splits(query_chunks_of(p), p.cache.num_kv_heads * head_chunks_of(p),
                                         p.max_blocks_per_seq * p.cache.block_size, device_sm_count() * per_sm);
   return std::min(splits, 128);
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
-  if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
-  if (p.batch > 65535) return cudaErrorInvalidConfiguration;  // grid z
+  if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
+  if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid z
   return visit_decode_config(p, LaunchDecode{p, stream});
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "turboquant/layout.h"
+#include "turboquant/query_chunks.h"
 #include "turboquant/quantize.h"
 
 namespace turboquant {
@@ -32,10 +33,16 @@ struct StoreParams {
 };
 
 struct DecodeParams {
-  const void* query = nullptr;  // [batch, num_q_heads, head_dim]
-  void* out = nullptr;          // [batch, num_q_heads, head_dim], query's dtype
+  const void* query = nullptr;  // [query_rows, num_q_heads, head_dim]
+  void* out = nullptr;          // [query_rows, num_q_heads, head_dim], query's dtype
   ElementType dtype = ElementType::kHalf;
-  int batch = 0;
+  int batch = 0;       // sequences
+  int query_rows = 0;  // query tokens: batch for a plain decode, total_q for varlen
+  // Varlen (multi-token) queries: [batch + 1] cumulative starts of each sequence's query rows,
+  // query row i of sequence b attends to positions < seq_len_b - q_len_b + 1 + i
+  // (turboquant/query_chunks.h). Null for a plain decode (row b = sequence b, one token each).
+  // Rows outside every sequence's range are not written (the caller zero-fills).
+  const int32_t* query_start_loc = nullptr;
   int num_q_heads = 0;
   CacheView cache;
   const int32_t* block_table = nullptr;  // [batch, max_blocks_per_seq]
@@ -45,8 +52,9 @@ struct DecodeParams {
   Codebook codebook;
   float scale = 1.0f;
   int num_splits = 1;
-  float* partial_out = nullptr;  // [batch, num_q_heads, num_splits, head_dim] (num_splits > 1)
-  float* partial_lse = nullptr;  // [batch, num_q_heads, num_splits], log2 domain
+  float* partial_out = nullptr;  // [query_rows, num_q_heads, num_splits, head_dim] (num_splits > 1)
+  float* partial_lse = nullptr;  // [query_rows, num_q_heads, num_splits], log2 domain; -inf-filled
+                                 // by the caller for varlen (rows no CTA serves merge to zeros)
 };
 
 struct DequantizeParams {
@@ -71,9 +79,6 @@ int device_sm_count();
 
 // Split-KV count the decode picks for these shapes on the current device.
 int decode_default_num_splits(const DecodeParams& p);
-
-// Query heads one decode CTA serves (a GQA group larger than this is split across CTAs).
-constexpr int kDecodeMaxHeadsPerCta = 8;
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);

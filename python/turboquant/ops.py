@@ -57,20 +57,14 @@ def decode_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     count the cached tokens including the chunk's own (store the chunk first). Query token ``i`` of
     sequence ``b`` attends causally to positions ``< seq_len_b - q_len_b + 1 + i``.
 
-    Each query token becomes one row of a single ``decode`` call with its own causal length and its
-    sequence's block-table row, so it runs on every device, traces under torch.compile and captures
-    in a CUDA graph (no host sync). It reads the chunk's KV once per query token; a kernel that
-    shares each key tile across the chunk's tokens is the planned CUDA path.
+    One launch on CUDA: the decode kernel with its 8 query columns filled by (token, head) pairs
+    of one sequence (``8 // group`` tokens per CTA for GQA groups up to 8), so each key tile it
+    reads serves several query tokens; the grid depends only on shapes (graph-capturable, no host
+    sync). Rows outside every ``[query_start_loc[b], query_start_loc[b+1])`` are zeros. The CPU
+    implementation runs each row as a decode row with its own causal length.
     """
-    total_q = query.shape[0]
-    starts = query_start_loc.to(torch.int64)
-    q_lens = starts[1:] - starts[:-1]
-    batch = q_lens.shape[0]
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens, output_size=total_q)
-    pos_in_chunk = torch.arange(total_q, device=query.device) - starts[seq_of_token]
-    token_lens = seq_lens.to(torch.int64)[seq_of_token] - q_lens[seq_of_token] + 1 + pos_in_chunk
-    return decode(query, kv_cache, block_table.index_select(0, seq_of_token).contiguous(),
-                  token_lens.clamp_min(0).to(torch.int32), preset, scale, num_splits)
+    return torch.ops.turboquant.decode_varlen(query, kv_cache, block_table, seq_lens, query_start_loc, preset,
+                                              float(scale), int(num_splits))
 
 
 def dequantize(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, preset: str,
@@ -100,6 +94,11 @@ def _dequantize_into_fake(kv_cache, block_table, seq_lens, preset, key_out, valu
 
 @torch.library.register_fake("turboquant::decode")
 def _decode_fake(query, kv_cache, block_table, seq_lens, preset, scale, num_splits=0):
+    return torch.empty_like(query)
+
+
+@torch.library.register_fake("turboquant::decode_varlen")
+def _decode_varlen_fake(query, kv_cache, block_table, seq_lens, query_start_loc, preset, scale, num_splits=0):
     return torch.empty_like(query)
 
 

@@ -64,3 +64,97 @@ def test_decode_varlen_cuda_matches_cpu(preset):
     ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.125)
     out = tq.decode_varlen(query.half().cuda(), cache.cuda(), bt.cuda(), sl.cuda(), starts.cuda(), preset, 0.125)
     assert rel_err(out.cpu(), ref) <= 2e-3
+
+
+def test_decode_varlen_rows_outside_every_sequence_are_zero_and_short_contexts_mask():
+    """Rows past query_start_loc[-1] are zeros; with seq_len < q_len the first rows see nothing."""
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, keys, values = make_paged_batch([3], 16, 2, 64, preset, seed=5)
+    query = torch.randn(7, 4, 64)
+    starts = torch.tensor([0, 5], dtype=torch.int32)  # 5 query tokens over 3 cached ones; rows 5, 6 unused
+    out = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.125)
+    k, v = tq.dequantize(cache, bt, sl, preset, torch.float32)
+    ref = _causal_reference(query[:5], k, v, sl, [5], 0.125)
+    assert rel_err(out[:5], ref) < 1e-5
+    assert out[:2].abs().max() == 0  # limits 3 - 5 + 1 + i <= 0 for i = 0, 1
+    assert out[5:].abs().max() == 0
+
+
+@pytest.mark.parametrize("starts, match", [
+    ([0, 2, 1], "non-decreasing"),
+    ([-1, 2], r"query_start_loc\[0\] must be >= 0"),
+    ([0, 9], "past the query's 4 rows"),
+])
+def test_decode_varlen_rejects_bad_query_start_loc(starts, match):
+    preset = "turboquant_4bit_nc"
+    batch = len(starts) - 1
+    cache, bt, sl, _, _ = make_paged_batch([20] * batch, 16, 2, 64, preset)
+    with pytest.raises(RuntimeError, match=match):
+        tq.decode_varlen(torch.randn(4, 4, 64), cache, bt, sl, torch.tensor(starts, dtype=torch.int32), preset, 0.1)
+
+
+def test_decode_varlen_rejects_bad_shapes():
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([20, 30], 16, 2, 64, preset)
+    q = torch.randn(4, 4, 64)
+    with pytest.raises(RuntimeError, match="query_start_loc must be int32"):
+        tq.decode_varlen(q, cache, bt, sl, torch.tensor([0, 2, 4]), preset, 0.1)
+    with pytest.raises(RuntimeError, match="block_table must have 1 rows"):
+        tq.decode_varlen(q, cache, bt, sl, torch.tensor([0, 4], dtype=torch.int32), preset, 0.1)
+    with pytest.raises(RuntimeError, match="query_start_loc must be 1-D"):
+        tq.decode_varlen(q, cache, bt, sl, torch.tensor([[0, 2, 4]], dtype=torch.int32), preset, 0.1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_varlen_cuda_gqa_chunks_match_cpu(group, num_splits):
+    """Every GQA group (tokens per CTA 8 // group), chunks of 1-128 tokens, a sequence shorter
+    than its chunk, an empty sequence, and rows past the last sequence (zeros)."""
+    preset, hkv, d = "turboquant_4bit_nc", 2, 128
+    seq_lens, q_lens = [300, 40, 9, 0, 1000], [128, 7, 12, 0, 33]
+    cache, bt, sl, _, _ = make_paged_batch(seq_lens, 16, hkv, d, preset, seed=group)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    total = int(starts[-1]) + 3  # three rows outside every sequence
+    query = torch.randn(total, hkv * group, d)
+    ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, num_splits)
+    dev = [t.cuda() for t in (cache, bt, sl, starts)]
+    out = tq.decode_varlen(query.bfloat16().cuda(), dev[0], dev[1], dev[2], dev[3], preset, 0.1, num_splits)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.float().cpu(), ref) <= 2e-3
+    assert out[-3:].abs().max() == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_varlen_cuda_single_token_rows_equal_decode(preset):
+    """query_start_loc = arange: the varlen launch serves the same columns as a plain decode."""
+    cache, bt, sl, _, _ = make_paged_batch([50, 700, 1], 16, 2, 128, preset, device="cuda", seed=2)
+    q = torch.randn(3, 8, 128, device="cuda", dtype=torch.float16)
+    starts = torch.arange(4, dtype=torch.int32, device="cuda")
+    torch.testing.assert_close(tq.decode_varlen(q, cache, bt, sl, starts, preset, 0.1, 3),
+                               tq.decode(q, cache, bt, sl, preset, 0.1, 3), rtol=2e-3, atol=2e-3)
+
+
+@requires_cuda
+def test_decode_varlen_cuda_graph_replay_and_empty_query():
+    preset = "turboquant_k8v4"
+    cache, bt, sl, _, _ = make_paged_batch([200, 90], 16, 2, 64, preset, device="cuda", seed=4)
+    starts = torch.tensor([0, 16, 21], dtype=torch.int32, device="cuda")
+    q = torch.randn(21, 8, 64, device="cuda", dtype=torch.bfloat16)
+    eager = tq.decode_varlen(q, cache, bt, sl, starts, preset, 0.125, 2)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        tq.decode_varlen(q, cache, bt, sl, starts, preset, 0.125, 2)  # warm-up outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = tq.decode_varlen(q, cache, bt, sl, starts, preset, 0.125, 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+    starts.copy_(torch.tensor([0, 5, 21], dtype=torch.int32))  # new chunk lengths, same shapes
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, tq.decode_varlen(q, cache, bt, sl, starts, preset, 0.125, 2), rtol=0, atol=0)
+    empty = tq.decode_varlen(q[:0], cache, bt, sl, torch.zeros(3, dtype=torch.int32, device="cuda"), preset, 0.125)
+    assert empty.shape == (0, 8, 64)
