@@ -15,12 +15,12 @@ A pure-decode step (every sequence decodes one token) makes no host synchronisat
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables
 and slot mappings written into the captured tensors.
 
-The default threshold, 32 query tokens, is measured (benchmarks/bench_continuation.py, H200,
-Hq=32, Hkv=8, D=128, 4bit_nc, one sequence): decode_varlen reads the context once per query token,
-so it wins for short chunks and loses for long ones. At L=32k: 674 vs 1027 us at 32 tokens, 1233
-vs 1027 us at 64; at L=8k: 220 vs 302 us at 32, 368 vs 299 us at 64. At L=2k both paths are
-host-bound in eager mode (~145 us dense, ~188 us decode_varlen, whatever the chunk length), so
-the choice costs little there. Tables in benchmarks/RESULTS.md.
+The default threshold, 64 query tokens, is measured (benchmarks/bench_continuation.py, H200,
+Hq=32, Hkv=8, D=128, 4bit_nc, one sequence, bf16): decode_varlen serves two query tokens per CTA
+at GQA 4 (each key tile read once per pair), so it wins for short chunks and loses for long ones
+at long contexts. At L=32k: 576 vs 1035 us at 64 tokens, 1153 vs 1114 us at 128; at L=8k: 165 vs
+312 us at 64, 313 vs 331 us at 128; at L=2k it wins at every length up to 128 (103 vs 240 us).
+Tables in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class StepMetadata:
 
 class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
-                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 32):
+                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64):
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.varlen_threshold = varlen_threshold
         if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]

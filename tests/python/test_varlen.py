@@ -116,7 +116,7 @@ def test_decode_varlen_cuda_gqa_chunks_match_cpu(group, num_splits):
     cache, bt, sl, _, _ = make_paged_batch(seq_lens, 16, hkv, d, preset, seed=group)
     starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     total = int(starts[-1]) + 3  # three rows outside every sequence
-    query = torch.randn(total, hkv * group, d)
+    query = torch.randn(total, hkv * group, d).bfloat16().float()  # the reference sees the same inputs
     ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, num_splits)
     dev = [t.cuda() for t in (cache, bt, sl, starts)]
     out = tq.decode_varlen(query.bfloat16().cuda(), dev[0], dev[1], dev[2], dev[3], preset, 0.1, num_splits)
