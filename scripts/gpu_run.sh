@@ -34,11 +34,11 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   sanitize() {
     local tool=$1 k=$2
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=python timeout 420 compute-sanitizer --tool "$tool" \
-      --error-exitcode 9 --print-limit 30 "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider \
+      --error-exitcode 9 --print-limit 30 "$PYTHON" -m pytest tests/python/test_cuda.py tests/python/test_varlen.py -q -p no:cacheprovider \
       -k "$k" > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool exit=$?" >> "$OUT/sanitize_$tool.log"
   }
-  small="(decode_matches_cpu and 128 and not 16) or (store_matches_cpu_bytes and bfloat16) or dequantize or masked"
+  small="(decode_matches_cpu and 128 and not 16) or (store_matches_cpu_bytes and bfloat16) or dequantize or masked or (varlen and not graph)"
   # graph capture is left out: without the caching allocator it would cudaMalloc while capturing
   sanitize memcheck "out_of_range_indices or $small or edge_values" &
   sanitize racecheck "$small" &
