@@ -391,11 +391,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         a2 = low_nibbles_to_half2(x23);
         a3 = high_nibbles_to_half2(x23);
       } else {
-        const int d0 = 2 * i * C::VB, d1 = (2 * i + 1) * C::VB;
-        a0 = codes_to_half2(extract_bits(vw[0], d0, C::VB), extract_bits(vw[1], d0, C::VB));
-        a1 = codes_to_half2(extract_bits(vw[0], d1, C::VB), extract_bits(vw[1], d1, C::VB));
-        a2 = codes_to_half2(extract_bits(vw[2], d0, C::VB), extract_bits(vw[3], d0, C::VB));
-        a3 = codes_to_half2(extract_bits(vw[2], d1, C::VB), extract_bits(vw[3], d1, C::VB));
+        // Dims 2i (row g) and 2i + 1 (row g + 8) are the two VB-bit codes at bit 2i VB of each
+        // token's chunk: a 16-bit window per token, two tokens per word (one PRMT), then one
+        // mask per dim as in the nibble path.
+        static_assert(2 * C::VB <= 16, "two codes must fit a 16-bit window");
+        const int bit = 2 * i * C::VB;
+        const uint32_t x01 = __byte_perm(window16(vw[0], bit), window16(vw[1], bit), 0x5410);
+        const uint32_t x23 = __byte_perm(window16(vw[2], bit), window16(vw[3], bit), 0x5410);
+        a0 = low_codes_to_half2<C::VB>(x01);
+        a1 = high_codes_to_half2<C::VB>(x01);
+        a2 = low_codes_to_half2<C::VB>(x23);
+        a3 = high_codes_to_half2<C::VB>(x23);
       }
       mma_16816(acc[i], a0, a1, a2, a3, pb0, pb1);
     }

@@ -121,13 +121,6 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
   return out;
 }
 
-// Two small unsigned integers (< 1024) -> half2 exactly, via the 1024 + n bit pattern.
-__device__ __forceinline__ uint32_t codes_to_half2(uint32_t lo, uint32_t hi) {
-  const uint32_t biased = (0x6400u | lo) | ((0x6400u | hi) << 16);
-  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 // (x & mask) | bias in one LOP3 (the compiler splits it in two when both are immediates).
 __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bias) {
   uint32_t y;
@@ -135,18 +128,39 @@ __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t b
   return y;
 }
 
-// Low nibbles of bytes 0 and 2 of x -> half2 exactly: 0x6400 | n is 1024 + n.
-__device__ __forceinline__ uint32_t low_nibbles_to_half2(uint32_t x) {
-  const uint32_t biased = and_or(x, 0x000f000fu, 0x64006400u);
+// The B-bit codes at bits [0, B) of both 16-bit halves of x -> half2, exactly: 0x6400 | c is the
+// fp16 1024 + c, so one mask-or and one subtraction.
+template <int B>
+__device__ __forceinline__ uint32_t low_codes_to_half2(uint32_t x) {
+  constexpr uint32_t m = (1u << B) - 1u;
+  const uint32_t biased = and_or(x, m | (m << 16), 0x64006400u);
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// High nibbles of bytes 0 and 2 of x -> half2 exactly, without a shift: 0x5400 | (n << 4) is 64 + n.
-__device__ __forceinline__ uint32_t high_nibbles_to_half2(uint32_t x) {
-  const uint32_t biased = and_or(x, 0x00f000f0u, 0x54005400u);
-  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(64.0f), __half(64.0f)));
+// The B-bit codes at bits [B, 2B) of both halves -> half2, exactly and without a shift: the bias
+// 2^(10 - B) has a unit in the last place of 2^-B, so bits [B, 2B) of its mantissa count whole units.
+template <int B>
+__device__ __forceinline__ uint32_t high_codes_to_half2(uint32_t x) {
+  constexpr uint32_t m = ((1u << B) - 1u) << B;
+  constexpr uint32_t bias = static_cast<uint32_t>(15 + 10 - B) << 10;  // fp16 bits of 2^(10 - B)
+  const uint32_t biased = and_or(x, m | (m << 16), bias | (bias << 16));
+  const __half b = __float2half(static_cast<float>(1u << (10 - B)));
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(b, b));
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Nibbles of bytes 0 and 2 of x (low: bits 0-3, high: bits 4-7) -> half2 exactly.
+__device__ __forceinline__ uint32_t low_nibbles_to_half2(uint32_t x) { return low_codes_to_half2<4>(x); }
+__device__ __forceinline__ uint32_t high_nibbles_to_half2(uint32_t x) { return high_codes_to_half2<4>(x); }
+
+// The 16 bits at bit `off` of the little-endian stream w (off a compile-time constant after
+// unrolling: one shift or funnel shift).
+template <int NW>
+__device__ __forceinline__ uint32_t window16(const uint32_t (&w)[NW], int off) {
+  const int word = off >> 5, shift = off & 31;
+  if (shift + 16 <= 32) return w[word] >> shift;
+  return __funnelshift_r(w[word], w[word + 1], shift);
 }
 
 // Loads NW 32-bit words of a little-endian byte stream starting at any byte address in shared
