@@ -3,7 +3,8 @@
 Batch order follows vLLM: the first ``num_decodes`` sequences decode one token each, the rest are
 prefill chunks. For every step the layer:
   1. stores the step's new K/V into the layer's paged cache (``slot_mapping``),
-  2. decodes the decode sequences on the packed cache (one ``decode`` call),
+  2. decodes the decode sequences on the packed cache (one ``decode`` call in a pure-decode step;
+     in a mixed step they join the short continuation chunks of 4. in one ``decode_varlen`` call),
   3. first prefill chunks (nothing cached before them) run SDPA, causal, on the raw K/V,
   4. continuation chunks run ``decode_varlen`` on the packed cache when short (<=
      ``varlen_threshold`` tokens), else dequantize the sequence and run SDPA, causal aligned to the
@@ -115,18 +116,31 @@ class PagedAttentionLayer:
         out = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
-        if nd > 0:
-            out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale)
+        # Sequences the packed cache serves in one decode_varlen launch: the decodes and the short
+        # continuation chunks (decodes are chunks of one token), rows gathered contiguously.
+        on_packed = list(range(nd)) if self.preset is not None else []
         for b in range(nd, len(lens)):
             s, e = starts[b], starts[b + 1]
             q_len, cached_before = e - s, lens[b] - (e - s)
             if cached_before == 0:  # first chunk: raw K/V, causal
                 out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale)
             elif self.preset is not None and q_len <= self.varlen_threshold:
-                loc = torch.tensor([0, q_len], dtype=torch.int32, device=query.device)
-                out[s:e] = decode_varlen(query[s:e], self.cache, meta.block_table[b:b + 1], meta.seq_lens[b:b + 1],
-                                         loc, self.preset, scale)
+                on_packed.append(b)
             else:
                 k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1])
                 out[s:e] = self._sdpa(query[s:e], k[0, :lens[b]], v[0, :lens[b]], scale)
+        if self.preset is None and nd > 0:
+            out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale)
+        if on_packed:
+            rows = [r for b in on_packed for r in range(starts[b], starts[b + 1])]
+            loc = [0]
+            for b in on_packed:
+                loc.append(loc[-1] + starts[b + 1] - starts[b])
+            device = query.device
+            rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+            seqs_t = torch.tensor(on_packed, dtype=torch.long, device=device)
+            out[rows_t] = decode_varlen(query.index_select(0, rows_t), self.cache,
+                                        meta.block_table.index_select(0, seqs_t).contiguous(),
+                                        meta.seq_lens.index_select(0, seqs_t).contiguous(),
+                                        torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale)
         return out
