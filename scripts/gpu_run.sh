@@ -3,8 +3,9 @@
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store probe diagnose sanitize
 #   bash scripts/gpu_run.sh all               = tests bench
-# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run. A cold H200 call costs ~2 minutes of device time
-# before the command starts: ask for everything in one call.
+# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; COMMIT=<hash>
+# names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
+# the command starts: ask for everything in one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -68,7 +69,8 @@ if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation
 fi
 if has speed; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's
-  timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" > "$OUT/speed.log" 2>&1 || status=1
+  # The device copy's git metadata can be stale: the caller passes COMMIT=<hash> to name the commit.
+  timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" ${COMMIT:+--commit "$COMMIT"} > "$OUT/speed.log" 2>&1 || status=1
   tail -40 "$OUT/RESULTS.md"
 fi
 # Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX WHICH
