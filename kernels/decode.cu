@@ -24,7 +24,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
+#include "decode_common.cuh"
 #include "device_utils.cuh"
 #include "dispatch.cuh"
 #include "launchers.h"
@@ -34,27 +36,15 @@
 namespace turboquant {
 namespace {
 
-constexpr int kWarps = 8;  // one pair table and one query rotation serve 8 warps
-constexpr int kThreads = kWarps * 32;
+constexpr int kWarps = kDecodeWarps;  // one pair table and one query rotation serve 8 warps
+constexpr int kThreads = kDecodeThreads;
 constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
 constexpr int kMaxSplits = 256;
-constexpr float kLog2e = 1.4426950408889634f;
-
-constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
-struct DecodeConfig {
-  static constexpr int D = D_;
-  static constexpr bool kFp8Key = kFp8Key_;
-  static constexpr int KB = kFp8Key_ ? 8 : KB_;  // bits per key element
-  static constexpr int VB = VB_;
-  static constexpr SlotLayout kLayout =
-      make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
-  static constexpr int kSlotBytes = kLayout.slot_size_aligned;
-  // A slot starts at any even address: the aligned 16-byte chunks around it.
-  static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
-  static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
-  static constexpr int kStageBytes = 16 * kRowBytes;
+struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
+  using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_>;
+  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kStageBytes;
   static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
@@ -71,32 +61,6 @@ struct DecodeConfig {
       cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes)), 16) * 16;
   static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
 };
-
-__device__ __forceinline__ float load_half(const uint8_t* p) {
-  return half_bits_to_float(*reinterpret_cast<const uint16_t*>(p));
-}
-
-// 2^x with flush-to-zero (one MUFU op; exp2f adds a denormal fix-up around it). 2^-inf = 0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Byte offset of this lane's copy of pair-table entry `pair` (word pair * 32 + lane), where
-// `pair` is the `width`-bit field at bit `bit` of the little-endian stream `w`: the field is
-// shifted straight to bit 7 (no separate extract, scale and add), then the lane's bank is or-ed in.
-template <int NW>
-__device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], int bit, int width, uint32_t lane_bytes) {
-  const int word = bit >> 5, shift = bit & 31;
-  uint32_t x;
-  if (shift + width <= 32) {
-    x = shift >= 7 ? w[word] >> (shift - 7) : w[word] << (7 - shift);
-  } else {  // straddles two words; then shift > 32 - width >= 24, so shift - 7 > 0
-    x = __funnelshift_r(w[word], w[word + 1], shift - 7);
-  }
-  return (x & (((1u << width) - 1u) << 7)) | lane_bytes;
-}
 
 template <class C, typename T>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p, const float q_multiplier,
@@ -138,32 +102,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 
   // ---- query columns -> shared memory (fp32), rotated for Lloyd-Max keys; pair table
   float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
-  const T* query = static_cast<const T*>(p.query);
-  for (int i = threadIdx.x; i < kHeads * D; i += kThreads) {
-    const int j = i / D;
-    qs[i] = j < num_columns ? to_float(query[query_row(j) * D + i % D]) : 0.0f;
-  }
-  if constexpr (!C::kFp8Key) {
-    constexpr uint32_t mask = (1u << C::KB) - 1u;
-    for (int i = threadIdx.x; i < C::kPairTableWords; i += kThreads) {
-      const uint32_t pair = static_cast<uint32_t>(i) >> 5;  // replicated once per bank
-      pair_table[i] = pack_half2(p.codebook.centroid[pair & mask], p.codebook.centroid[pair >> C::KB]);
-    }
-  }
-  __syncthreads();
-  if constexpr (!C::kFp8Key) {
-    for (int h = 1; h < D; h <<= 1) {  // same butterflies as fwht_inplace, one row per head
-      for (int t = threadIdx.x; t < kHeads * (D / 2); t += kThreads) {
-        const int row = t / (D / 2), k = t % (D / 2);
-        const int j = (k / h) * 2 * h + (k % h);
-        float* r = qs + row * D;
-        const float x = r[j], y = r[j + h];
-        r[j] = x + y;
-        r[j + h] = x - y;
-      }
-      __syncthreads();
-    }
-  }
+  stage_query_columns<D, kHeads, kThreads, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query),
+                                                               num_columns, query_row, p.codebook);
   // B fragments of Q^T: logical k (2c, 2c+1 | 2c+8, 2c+9) of step j = physical dims c*D/4 + 4j + (0,1 | 2,3).
   uint32_t qf[C::kKSteps][2];
 #pragma unroll
@@ -328,43 +268,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const float s2 = valid_hi && pos_hi < limit0 ? sc[2] * norm_hi : -INFINITY;
     const float s3 = valid_hi && pos_hi < limit1 ? sc[3] * norm_hi : -INFINITY;
 
-    // Online softmax per head (a head's 16 tokens live in the 8 lanes sharing c). Once the running
-    // max settles, no score of a tile exceeds it: the max is then unchanged, the rescale factors
-    // are exactly 1, and the cross-lane reduction (three dependent shuffle rounds at the head of
-    // every tile's chain) is skipped. A warp-uniform vote picks the path, so results are bit-equal.
-    const float t0 = fmaxf(s0, s2), t1 = fmaxf(s1, s3);
-    float alpha0 = 1.0f, alpha1 = 1.0f;
-    if (__any_sync(kFullMask, t0 > m[0] || t1 > m[1])) {
-      float r0 = t0, r1 = t1;
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        r0 = fmaxf(r0, __shfl_xor_sync(kFullMask, r0, off));
-        r1 = fmaxf(r1, __shfl_xor_sync(kFullMask, r1, off));
-      }
-      const float m0 = fmaxf(m[0], r0), m1 = fmaxf(m[1], r1);
-      alpha0 = exp2_ftz(m[0] - (m0 == -INFINITY ? 0.0f : m0));
-      alpha1 = exp2_ftz(m[1] - (m1 == -INFINITY ? 0.0f : m1));
-      m[0] = m0;
-      m[1] = m1;
-#pragma unroll
-      for (int i = 0; i < C::kKSteps; ++i) {
-        acc[i][0] *= alpha0;
-        acc[i][1] *= alpha1;
-        acc[i][2] *= alpha0;
-        acc[i][3] *= alpha1;
-      }
-    }
-    const float base0 = m[0] == -INFINITY ? 0.0f : m[0], base1 = m[1] == -INFINITY ? 0.0f : m[1];
-    const float p0 = exp2_ftz(s0 - base0), p1 = exp2_ftz(s1 - base1);
-    const float p2 = exp2_ftz(s2 - base0), p3 = exp2_ftz(s3 - base1);
-    l[0] = l[0] * alpha0 + (p0 + p2);
-    l[1] = l[1] * alpha1 + (p1 + p3);
+    // Online softmax per column (decode_common.cuh).
+    const float s[4] = {s0, s1, s2, s3};
+    float pr[4], alpha[2];
+    online_softmax_tile(s, m, l, acc, pr, alpha);
+    const float p0 = pr[0], p1 = pr[1], p2 = pr[2], p3 = pr[3];
     const float vs_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_scale_offset) : 0.0f;
     const float vz_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_zero_offset) : 0.0f;
     const float vs_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_scale_offset) : 0.0f;
     const float vz_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_zero_offset) : 0.0f;
-    z[0] = z[0] * alpha0 + (p0 * vz_lo + p2 * vz_hi);
-    z[1] = z[1] * alpha1 + (p1 * vz_lo + p3 * vz_hi);
+    z[0] = z[0] * alpha[0] + (p0 * vz_lo + p2 * vz_hi);
+    z[1] = z[1] * alpha[1] + (p1 * vz_lo + p3 * vz_hi);
     // B = (P * value_scale)^T: transpose the C-layout tiles (tokens x heads) in registers.
     const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
     const uint32_t pb1 = movmatrix_trans(pack_half2(p2 * vs_hi, p3 * vs_hi));
@@ -411,13 +325,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   }
 
   // ---- combine the warps
-#pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    l[0] += __shfl_xor_sync(kFullMask, l[0], off);
-    l[1] += __shfl_xor_sync(kFullMask, l[1], off);
-    z[0] += __shfl_xor_sync(kFullMask, z[0], off);
-    z[1] += __shfl_xor_sync(kFullMask, z[1], off);
-  }
+  sum_over_column_lanes(l);
+  sum_over_column_lanes(z);
   __syncthreads();  // every warp is done with the ring
   float* merge = reinterpret_cast<float*>(scratch);  // [kWarps][kHeads][D + 3]: acc, m, l, z
   constexpr int kRow = D + 3;
@@ -525,8 +434,7 @@ struct LaunchDecode {
     decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks);
     err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
-    merge_splits_kernel<T><<<p.query_rows * p.num_q_heads, 128, 0, stream>>>(p, C::D);
-    return cudaGetLastError();
+    return launch_decode_merge(p, stream);
   }
 };
 
@@ -574,7 +482,21 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 
 }  // namespace
 
+// The chunked varlen kernel (decode_chunked.cu) is opt-in until it has run on a GPU.
+static bool use_chunked_varlen(const DecodeParams& p) {
+  static const bool requested = [] {
+    const char* v = std::getenv("TURBOQUANT_VARLEN_CHUNKED");
+    return v != nullptr && v[0] == '1';
+  }();
+  return requested && decode_chunked_supports(p);
+}
+
 int decode_default_num_splits(const DecodeParams& p) {
+  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (64 KB of shared memory, <= 128 registers)
+    return std::min(default_num_splits(decode_chunked_query_chunks(p), p.cache.num_kv_heads,
+                                       p.max_blocks_per_seq * p.cache.block_size, device_sm_count() * 2),
+                    128);
+  }
   int per_sm = 1;
   visit_decode_config(p, ResidentCtas{&per_sm});
   const int splits = default_num_splits(query_chunks_of(p), p.cache.num_kv_heads * head_chunks_of(p),
@@ -582,9 +504,22 @@ int decode_default_num_splits(const DecodeParams& p) {
   return std::min(splits, 128);
 }
 
+cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream) {
+  const unsigned rows = static_cast<unsigned>(p.query_rows * p.num_q_heads);
+  switch (p.dtype) {
+    case ElementType::kHalf: merge_splits_kernel<__half><<<rows, 128, 0, stream>>>(p, p.layout.head_dim); break;
+    case ElementType::kBFloat16:
+      merge_splits_kernel<__nv_bfloat16><<<rows, 128, 0, stream>>>(p, p.layout.head_dim);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
+  if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
   if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid z
   return visit_decode_config(p, LaunchDecode{p, stream});
 }

@@ -206,5 +206,33 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// ---- decode helpers shared by kernels/decode.cu and kernels/decode_chunked.cu
+// An fp16 field of a slot (2-byte aligned in shared memory) as float.
+__device__ __forceinline__ float load_half(const uint8_t* p) {
+  return half_bits_to_float(*reinterpret_cast<const uint16_t*>(p));
+}
+
+// 2^x with flush-to-zero (one MUFU op; exp2f adds a denormal fix-up around it). 2^-inf = 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of this lane's copy of pair-table entry `pair` (word pair * 32 + lane), where
+// `pair` is the `width`-bit field at bit `bit` of the little-endian stream `w`: the field is
+// shifted straight to bit 7 (no separate extract, scale and add), then the lane's bank is or-ed in.
+template <int NW>
+__device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], int bit, int width, uint32_t lane_bytes) {
+  const int word = bit >> 5, shift = bit & 31;
+  uint32_t x;
+  if (shift + width <= 32) {
+    x = shift >= 7 ? w[word] >> (shift - 7) : w[word] << (7 - shift);
+  } else {  // straddles two words; then shift > 32 - width >= 24, so shift - 7 > 0
+    x = __funnelshift_r(w[word], w[word + 1], shift - 7);
+  }
+  return (x & (((1u << width) - 1u) << 7)) | lane_bytes;
+}
+
 }  // namespace device
 }  // namespace turboquant

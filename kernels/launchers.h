@@ -82,6 +82,14 @@ int decode_default_num_splits(const DecodeParams& p);
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+// Log-sum-exp merge of a split decode's partial results into p.out (decode.cu).
+cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
+
+// Varlen queries with 64 query columns per CTA (decode_chunked.cu): each key tile dequantized
+// once per CTA. Not yet run on a GPU: launch_decode takes it only when TURBOQUANT_VARLEN_CHUNKED=1.
+bool decode_chunked_supports(const DecodeParams& p);
+int decode_chunked_query_chunks(const DecodeParams& p);
+cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 
 }  // namespace turboquant

@@ -22,6 +22,11 @@ TQ_HD int varlen_tokens_per_cta(int group) {
   return group >= kDecodeColumns ? 1 : kDecodeColumns / group;
 }
 
+// The chunked varlen kernel (kernels/decode_chunked.cu, GQA groups up to 8): 64 columns per CTA,
+// 8 per warp, so each key tile it loads and dequantizes serves 64 / group query tokens.
+constexpr int kChunkedColumns = 64;
+TQ_HD int chunked_tokens_per_cta(int group) { return kChunkedColumns / group; }
+
 // Chunk index space of a varlen launch: sequence b owns chunks [F_b, F_{b+1}) with
 // F_b = start_b / T + b. F_{b+1} - F_b = floor(end_b / T) - floor(start_b / T) + 1 >= ceil(q_len_b / T),
 // so every token gets a chunk, F strictly increases (a chunk belongs to one sequence), and the

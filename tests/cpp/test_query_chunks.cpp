@@ -19,6 +19,9 @@ TEST(QueryChunks, TokensPerCtaFillTheColumnsWithWholeGroups) {
   EXPECT_EQ(varlen_tokens_per_cta(5), 1);
   EXPECT_EQ(varlen_tokens_per_cta(8), 1);
   EXPECT_EQ(varlen_tokens_per_cta(16), 1);  // head chunks of 8, one token each
+  EXPECT_EQ(chunked_tokens_per_cta(4), 16);
+  EXPECT_EQ(chunked_tokens_per_cta(3), 21);  // 63 of 64 columns
+  EXPECT_EQ(chunked_tokens_per_cta(1), 64);
 }
 
 TEST(QueryChunks, GridServesEveryRowOnceWithItsPosition) {
@@ -32,7 +35,8 @@ TEST(QueryChunks, GridServesEveryRowOnceWithItsPosition) {
       starts.push_back(starts.back() + q_len);
     }
     const int total_q = starts.back();
-    const int t = varlen_tokens_per_cta(group);
+    // Both kernels' chunk sizes: the decode kernel's 8 columns, the chunked kernel's 64.
+    const int t = trial % 2 == 0 || group > 8 ? varlen_tokens_per_cta(group) : chunked_tokens_per_cta(group);
     std::vector<int> served(total_q, 0);
     const int chunks = varlen_query_chunks(total_q, batch, t);
     for (int chunk = 0; chunk < chunks; ++chunk) {

@@ -158,3 +158,16 @@ def test_decode_varlen_cuda_graph_replay_and_empty_query():
     torch.testing.assert_close(captured, tq.decode_varlen(q, cache, bt, sl, starts, preset, 0.125, 2), rtol=0, atol=0)
     empty = tq.decode_varlen(q[:0], cache, bt, sl, torch.zeros(3, dtype=torch.int32, device="cuda"), preset, 0.125)
     assert empty.shape == (0, 8, 64)
+
+
+@requires_cuda
+def test_chunked_varlen_kernel_passes_the_varlen_cuda_tests():
+    """The chunked kernel (kernels/decode_chunked.cu, 64 query columns per CTA) is opt-in through
+    TURBOQUANT_VARLEN_CHUNKED=1, read once per process: run this file's CUDA tests under it."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TURBOQUANT_VARLEN_CHUNKED="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "cuda and not chunked_varlen_kernel"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -1,0 +1,360 @@
+// Varlen decode for long query chunks: each key/value tile is loaded and dequantized once per CTA
+// and serves every query token of the CTA's chunk.
+//
+// The decode kernel (decode.cu) gives each warp its own tiles and dequantizes them into MMA
+// fragments in registers; its 8 MMA columns serve 8 / group query tokens. Here the 8 warps of a
+// CTA share one stream of 16-token tiles instead and each warp owns 8 of the CTA's 64 query
+// columns ((token, head) pairs, 64 / group tokens per CTA). Per tile:
+//   * all threads copy the tile's 16 slots into a CTA-wide ring (cp.async, one 16-byte chunk per
+//     thread), S - 1 tiles ahead;
+//   * all threads dequantize it once into shared memory as fp16: keys in the rotated basis
+//     (pair-table lookups or FP8 conversion, natural dim order), values as their raw integer
+//     codes (within each group of 4 dims stored as d0 d2 d1 d3, undone when writing the output),
+//     plus each row's norm, value scale and zero;
+//   * each warp runs S^T = K~ Q^T and O^T += V^T (P * scale)^T for its 8 columns on tensor cores
+//     with ldmatrix fragments, and the same online softmax as the decode kernel.
+// So the dequantize work per tile is paid once per 64 columns instead of once per 8, and a
+// warp's per-tile work is 16 ldmatrix + 16 MMA plus the softmax. Head dims 64 and 128, GQA groups
+// up to 8; launch_decode uses it for varlen queries when TURBOQUANT_VARLEN_CHUNKED=1.
+// STATUS: written and compiled, not yet run on a GPU.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "decode_common.cuh"
+#include "device_utils.cuh"
+#include "dispatch.cuh"
+#include "launchers.h"
+#include "turboquant/numeric.h"
+#include "turboquant/split_plan.h"
+
+namespace turboquant {
+namespace {
+
+template <int D_, bool kFp8Key_, int KB_, int VB_>
+struct ChunkedConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
+  using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_>;
+  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kStageBytes;
+  static constexpr int kStages = 4;  // tiles in flight + 1
+  static constexpr int kDimsPerThread = D / 16;  // 16 threads per token row in the dequantize
+  static constexpr int kTileStride = D + 8;      // halves per dequantized row: ldmatrix without bank conflicts
+  static constexpr int kTileHalves = kTokenTile * kTileStride;
+  static constexpr int kPairs = kFp8Key ? 0 : 1 << (2 * KB);
+  static constexpr int kPairTableWords = kPairs * 32;
+  // Shared memory: [ring | 2 x (K tile, V tile) | 2 x row scalars | stage metadata], aliased by
+  // the query rotation at set-up; then the pair table.
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kTilesBytes = 2 * 2 * kTileHalves * 2;
+  static constexpr int kRowScalarBytes = 2 * 4 * kTokenTile * 4;  // norm, scale, zero, valid
+  static constexpr int kStageMetaBytes = kStages * kTokenTile * 4;
+  static constexpr int kLoopBytes = kRingBytes + kTilesBytes + kRowScalarBytes + kStageMetaBytes + 16;
+  static constexpr int kQueryBytes = kChunkedColumns * D * 4;
+  static constexpr int kScratchBytes = cdiv(kLoopBytes > kQueryBytes ? kLoopBytes : kQueryBytes, 16) * 16;
+  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
+  static_assert(kChunks <= 16, "one 16-byte chunk per thread and row");
+  static_assert(D == 64 || D == 128, "head dims of the chunked kernel");
+};
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(device::smem_address(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(device::smem_address(p)));
+}
+
+// Stored value position -> head dim: within each group of 4 dims the tile holds d0 d2 d1 d3.
+__device__ __forceinline__ int value_dim_of_position(int pos) {
+  return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1);
+}
+
+template <class C, typename T>
+__global__ void __launch_bounds__(kDecodeThreads, 2)
+    decode_chunked_kernel(const DecodeParams p, const float q_multiplier) {
+  using namespace device;
+  constexpr int D = C::D;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* ring = smem;
+  __half* tiles = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [2][K, V][16][kTileStride]
+  float* row_scalars = reinterpret_cast<float*>(smem + C::kRingBytes + C::kTilesBytes);  // [2][4][16]
+  int* stage_rows = reinterpret_cast<int*>(smem + C::kRingBytes + C::kTilesBytes + C::kRowScalarBytes);  // [S][16]
+  uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int kv_head = blockIdx.x;
+  const int split = blockIdx.y;
+  const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (host-checked)
+  const int head0 = kv_head * group;
+  const QueryChunk chunk = locate_query_chunk(p.query_start_loc, p.batch, p.query_rows,
+                                              chunked_tokens_per_cta(group), blockIdx.z);
+  if (chunk.tokens == 0) return;  // CTA-uniform
+  const int b = chunk.seq;
+  const int num_columns = chunk.tokens * group;
+  const int block_size = p.cache.block_size;
+  const int seq_len = min(max(p.seq_lens[b], 0), p.max_blocks_per_seq * block_size);
+  auto column_limit = [&](int j) {
+    return j < num_columns ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + j / group) : 0;
+  };
+  auto query_row = [&](int j) -> int64_t {
+    return static_cast<int64_t>(chunk.row0 + j / group) * p.num_q_heads + head0 + j % group;
+  };
+  const int my_col0 = warp * 8;  // this warp's columns [my_col0, my_col0 + 8)
+  const int limit0 = column_limit(my_col0 + 2 * c), limit1 = column_limit(my_col0 + 2 * c + 1);
+  const TokenRange range = split_token_range(column_limit(num_columns - 1), p.num_splits, split);
+
+  // ---- set-up: query columns (fp32, rotated for Lloyd-Max keys) -> B fragments; pair table
+  stage_query_columns<D, kChunkedColumns, kDecodeThreads, !C::kFp8Key, C::KB>(
+      reinterpret_cast<float*>(smem), pair_table, static_cast<const T*>(p.query), num_columns, query_row, p.codebook);
+  // B fragments of Q^T for this warp's columns: k (2c, 2c+1 | 2c+8, 2c+9) of step j = dims 16j + ..
+  uint32_t qf[D / 16][2];
+  {
+    const float* q = reinterpret_cast<const float*>(smem) + (my_col0 + g) * D;
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      qf[j][0] = pack_half2(q[16 * j + 2 * c] * q_multiplier, q[16 * j + 2 * c + 1] * q_multiplier);
+      qf[j][1] = pack_half2(q[16 * j + 2 * c + 8] * q_multiplier, q[16 * j + 2 * c + 9] * q_multiplier);
+    }
+  }
+  __syncthreads();  // the loop's buffers reuse the query's
+
+  // ---- the CTA's tiles: copy (thread t: row t / 16, chunk t % 16), S - 1 tiles ahead
+  const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
+  const int copy_row = threadIdx.x >> 4, copy_chunk = threadIdx.x & 15;
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
+  const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
+  const int block_shift = __ffs(block_size) - 1;
+  auto tile_block = [&](int tile) {
+    return tile < num_tiles ? block_row[(range.begin + tile * kTokenTile) >> block_shift] : -1;
+  };
+  // Issues tile `tile` (block id `block`) into ring stage tile % S; thread (row, chunk 0) records
+  // the row's byte offset in its stage row, or -1 when the row is masked.
+  auto issue_tile = [&](int tile, int block) {
+    const int stage = tile % C::kStages;
+    const int t0 = range.begin + tile * kTokenTile;
+    const bool row_ok = tile < num_tiles && block >= 0 && block < p.cache.num_blocks && t0 + copy_row < range.end;
+    if (row_ok) {
+      const int64_t slot = block * p.cache.stride_block +
+                           static_cast<int64_t>((t0 & (block_size - 1)) + copy_row) * p.cache.stride_token + head_offset;
+      const int64_t first = slot & ~int64_t(15);
+      const int64_t chunk_at = first + 16 * copy_chunk;
+      // Whole 16-byte chunks inside the view only (span_bytes is a multiple of 16, host-checked).
+      if (copy_chunk < C::kChunks && chunk_at + 16 <= p.cache.span_bytes) {
+        cp_async_16(ring + stage * C::kStageBytes + copy_row * C::kRowBytes + 16 * copy_chunk, p.cache.data + chunk_at);
+      }
+      if (copy_chunk == 0) stage_rows[stage * kTokenTile + copy_row] = static_cast<int>(slot & 15);
+    } else if (copy_chunk == 0) {
+      stage_rows[stage * kTokenTile + copy_row] = -1;
+    }
+    cp_async_commit();
+  };
+
+  // Dequantizes the tile in ring stage `stage` into tile buffer `buf` (thread t: row t / 16,
+  // dims [(t % 16) * kDimsPerThread, +kDimsPerThread)).
+  const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
+  const uint32_t lane_bytes = lane * 4u;
+  auto dequantize_tile = [&](int stage, int buf) {
+    const int row = copy_row, part = copy_chunk;
+    const int at = stage_rows[stage * kTokenTile + row];
+    __half* k_tile = tiles + (buf * 2) * C::kTileHalves + row * C::kTileStride;
+    __half* v_tile = tiles + (buf * 2 + 1) * C::kTileHalves + row * C::kTileStride;
+    float* scalars = row_scalars + buf * 4 * kTokenTile;
+    const int dim0 = part * C::kDimsPerThread;
+    uint32_t kh[C::kDimsPerThread / 2], vh[C::kDimsPerThread / 2];
+    if (at < 0) {  // masked row: zeros (its scores are masked; zeros keep NaN out of the MMA)
+#pragma unroll
+      for (int i = 0; i < C::kDimsPerThread / 2; ++i) kh[i] = vh[i] = 0u;
+    } else {
+      const uint8_t* slot = ring + stage * C::kStageBytes + row * C::kRowBytes + at;
+      // This thread's indices start at bit dim0 * bits: a whole byte except for 3-bit codes at
+      // D = 64 (12 bits per thread), where odd parts start mid-byte.
+      constexpr bool kKeyBytes = (C::kDimsPerThread * C::KB) % 8 == 0;
+      constexpr bool kValueBytes = (C::kDimsPerThread * C::VB) % 8 == 0;
+      const int key_bit0 = kKeyBytes ? 0 : (dim0 * C::KB) & 7;
+      const int value_bit0 = kValueBytes ? 0 : (dim0 * C::VB) & 7;
+      constexpr int kKeyWords = cdiv(C::kDimsPerThread * C::KB + 7, 32) + 1;
+      uint32_t kw[kKeyWords];
+      load_unaligned_words(slot + dim0 * C::KB / 8, kw);
+#pragma unroll
+      for (int i = 0; i < C::kDimsPerThread / 2; ++i) {
+        if constexpr (C::kFp8Key) {
+          kh[i] = fp8x2_to_half2(extract_bits(kw, 16 * i, 16));
+        } else {
+          kh[i] = *reinterpret_cast<const uint32_t*>(
+              table_bytes + pair_entry_offset(kw, key_bit0 + 2 * i * C::KB, 2 * C::KB, lane_bytes));
+        }
+      }
+      // values: pairs (2i, 2i+1) of dims, two pairs per half2 word: (d0, d2) and (d1, d3)
+      constexpr int kValueWords = cdiv(C::kDimsPerThread * C::VB + 7, 32) + 1;
+      uint32_t vw[kValueWords];
+      load_unaligned_words(slot + C::kLayout.value_data_offset + dim0 * C::VB / 8, vw);
+#pragma unroll
+      for (int q4 = 0; q4 < C::kDimsPerThread / 4; ++q4) {
+        const int bit = value_bit0 + 4 * q4 * C::VB;
+        const uint32_t x = __byte_perm(window16(vw, bit), window16(vw, bit + 2 * C::VB), 0x5410);
+        vh[2 * q4] = low_codes_to_half2<C::VB>(x);
+        vh[2 * q4 + 1] = high_codes_to_half2<C::VB>(x);
+      }
+      if (part == 0) {
+        scalars[row] = C::kFp8Key ? 1.0f : load_half(slot + C::kLayout.key_norm_offset);
+        scalars[kTokenTile + row] = load_half(slot + C::kLayout.value_scale_offset);
+        scalars[2 * kTokenTile + row] = load_half(slot + C::kLayout.value_zero_offset);
+      }
+    }
+    if (part == 0) scalars[3 * kTokenTile + row] = at < 0 ? 0.0f : 1.0f;
+    if (at < 0 && part == 0) scalars[row] = scalars[kTokenTile + row] = scalars[2 * kTokenTile + row] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < C::kDimsPerThread / 2; ++i) {
+      reinterpret_cast<uint32_t*>(k_tile + dim0)[i] = kh[i];
+      reinterpret_cast<uint32_t*>(v_tile + dim0)[i] = vh[i];
+    }
+  };
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, z[2] = {0.0f, 0.0f};
+  float acc[D / 16][4];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  int next_block = tile_block(C::kStages - 1);  // block id of the next tile to issue, one load ahead
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) issue_tile(s, tile_block(s));
+  const int k_row = (lane & 7) + ((lane >> 3) & 1) * 8, k_col = (lane >> 4) * 8;  // ldmatrix addresses
+  const int v_row = (lane & 7) + ((lane >> 4) & 1) * 8, v_col = ((lane >> 3) & 1) * 8;
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int block = next_block;
+    next_block = tile_block(tile + C::kStages);
+    issue_tile(tile + C::kStages - 1, block);  // into the stage tile - 1 used (dequantized before barrier B)
+    cp_async_wait<C::kStages - 1>();
+    __syncthreads();  // (A) every thread's copies of this tile are visible
+    const int buf = tile & 1;  // compute(tile - 2) read it before (A) of tile - 1
+    dequantize_tile(tile % C::kStages, buf);
+    __syncthreads();  // (B) the dequantized tile is visible
+
+    const __half* k_tile = tiles + (buf * 2) * C::kTileHalves;
+    const __half* v_tile = tiles + (buf * 2 + 1) * C::kTileHalves;
+    const float* scalars = row_scalars + buf * 4 * kTokenTile;
+    float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      uint32_t a[4];
+      ldmatrix_x4(a, k_tile + k_row * C::kTileStride + 16 * j + k_col);
+      mma_16816(j % 2 == 0 ? sc_even : sc_odd, a[0], a[1], a[2], a[3], qf[j][0], qf[j][1]);
+    }
+    const int pos_lo = range.begin + tile * kTokenTile + g, pos_hi = pos_lo + 8;
+    const bool valid_lo = scalars[3 * kTokenTile + g] != 0.0f, valid_hi = scalars[3 * kTokenTile + g + 8] != 0.0f;
+    const float norm_lo = scalars[g], norm_hi = scalars[g + 8];
+    const float s0 = valid_lo && pos_lo < limit0 ? (sc_even[0] + sc_odd[0]) * norm_lo : -INFINITY;
+    const float s1 = valid_lo && pos_lo < limit1 ? (sc_even[1] + sc_odd[1]) * norm_lo : -INFINITY;
+    const float s2 = valid_hi && pos_hi < limit0 ? (sc_even[2] + sc_odd[2]) * norm_hi : -INFINITY;
+    const float s3 = valid_hi && pos_hi < limit1 ? (sc_even[3] + sc_odd[3]) * norm_hi : -INFINITY;
+
+    const float s[4] = {s0, s1, s2, s3};
+    float pr[4], alpha[2];
+    online_softmax_tile(s, m, l, acc, pr, alpha);  // decode_common.cuh
+    const float p0 = pr[0], p1 = pr[1], p2 = pr[2], p3 = pr[3];
+    const float vs_lo = scalars[kTokenTile + g], vz_lo = scalars[2 * kTokenTile + g];
+    const float vs_hi = scalars[kTokenTile + g + 8], vz_hi = scalars[2 * kTokenTile + g + 8];
+    z[0] = z[0] * alpha[0] + (p0 * vz_lo + p2 * vz_hi);
+    z[1] = z[1] * alpha[1] + (p1 * vz_lo + p3 * vz_hi);
+    const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
+    const uint32_t pb1 = movmatrix_trans(pack_half2(p2 * vs_hi, p3 * vs_hi));
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, v_tile + v_row * C::kTileStride + 16 * i + v_col);
+      mma_16816(acc[i], a[0], a[1], a[2], a[3], pb0, pb1);
+    }
+  }
+
+  // ---- this warp's 8 columns: reduce l and z over the 8 lanes sharing c, then write
+  sum_over_column_lanes(l);
+  sum_over_column_lanes(z);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int column = my_col0 + 2 * c + k;
+    if (column >= num_columns) continue;
+    const int64_t row = query_row(column);
+    const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // C rows g and g + 8 of block i
+        const int dim = value_dim_of_position(16 * i + g + 8 * h);
+        const float out = l[k] > 0.0f ? (acc[i][2 * h + k] + z[k]) * inv : 0.0f;
+        if (p.num_splits == 1) {
+          static_cast<T*>(p.out)[row * D + dim] = from_float<T>(out);
+        } else {
+          p.partial_out[(row * p.num_splits + split) * D + dim] = out;
+        }
+      }
+    }
+    if (p.num_splits > 1 && g == 0) {
+      p.partial_lse[row * p.num_splits + split] = l[k] > 0.0f ? m[k] + log2f(l[k]) : -INFINITY;
+    }
+  }
+}
+
+struct LaunchChunked {
+  const DecodeParams& p;
+  cudaStream_t stream;
+  template <typename T, int D, int kKeyBits, int kValueBits>
+  cudaError_t run() const {
+    if constexpr (D != 64 && D != 128) {
+      return cudaErrorNotSupported;
+    } else {
+      using C = ChunkedConfig<D, kKeyBits == 8, kKeyBits, kValueBits>;
+      static const cudaError_t attr = cudaFuncSetAttribute(
+          decode_chunked_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+      if (attr != cudaSuccess) return attr;
+      const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(D)));
+      const int group = p.num_q_heads / p.cache.num_kv_heads;
+      const dim3 grid(p.cache.num_kv_heads, p.num_splits,
+                      varlen_query_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group)));
+      decode_chunked_kernel<C, T><<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, q_multiplier);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess || p.num_splits == 1) return err;
+      return launch_decode_merge(p, stream);
+    }
+  }
+};
+
+struct AsHalfOrBf16 {
+  const LaunchChunked& launch;
+  const SlotLayout& layout;
+  template <typename T, int D, bool kFp8Key>
+  cudaError_t run() const {
+    return VisitPresetBits<LaunchChunked>{layout, launch}.template run<T, D, kFp8Key>();
+  }
+};
+
+}  // namespace
+
+bool decode_chunked_supports(const DecodeParams& p) {
+  const int group = p.num_q_heads / p.cache.num_kv_heads;
+  return p.query_start_loc != nullptr && group >= 1 && group <= 8 &&
+         (p.layout.head_dim == 64 || p.layout.head_dim == 128) &&
+         (p.dtype == ElementType::kHalf || p.dtype == ElementType::kBFloat16);
+}
+
+int decode_chunked_query_chunks(const DecodeParams& p) {
+  return varlen_query_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
+}
+
+cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream) {
+  if (!decode_chunked_supports(p)) return cudaErrorNotSupported;
+  if (p.num_splits < 1 || p.num_splits > 256) return cudaErrorInvalidValue;
+  if (decode_chunked_query_chunks(p) > 65535) return cudaErrorInvalidConfiguration;
+  const LaunchChunked launch{p, stream};
+  const AsHalfOrBf16 visit{launch, p.layout};
+  switch (p.dtype) {
+    case ElementType::kHalf: return dispatch_head_dim<__half>(p.layout, visit);
+    case ElementType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p.layout, visit);
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace turboquant

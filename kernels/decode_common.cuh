@@ -1,0 +1,121 @@
+// Pieces shared by the two decode kernels (decode.cu: 8 query columns per CTA, each warp its own
+// tiles; decode_chunked.cu: 64 columns per CTA sharing each tile): the query staging and the
+// online softmax of a thread's two score columns.
+#pragma once
+
+#include <cmath>
+
+#include "device_utils.cuh"
+#include "turboquant/layout.h"
+
+namespace turboquant {
+
+constexpr int kDecodeWarps = 8;  // per CTA, in both decode kernels
+constexpr int kDecodeThreads = kDecodeWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// The packed slot of a preset as a decode CTA stages it: layout constants and the shared-memory
+// row that holds the aligned 16-byte chunks around a slot (a slot starts at any even address).
+template <int D_, bool kFp8Key_, int KB_, int VB_>
+struct StagedSlot {
+  static constexpr int D = D_;
+  static constexpr bool kFp8Key = kFp8Key_;
+  static constexpr int KB = kFp8Key_ ? 8 : KB_;  // bits per key element
+  static constexpr int VB = VB_;
+  static constexpr SlotLayout kLayout =
+      make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
+  static constexpr int kSlotBytes = kLayout.slot_size_aligned;
+  static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
+  static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
+  static constexpr int kStageBytes = 16 * kRowBytes;  // one 16-token tile
+};
+
+namespace device {
+
+// Query columns -> qs[kColumns][D] in fp32 (zeros from num_columns on), rotated by the FWHT for
+// Lloyd-Max keys (the butterflies of fwht_inplace, one row per column), plus the codebook's pair
+// table replicated once per bank (word pair * 32 + lane) for Lloyd-Max keys of kKeyBits bits.
+// Every thread of the CTA calls it; qs and the table are visible to all when it returns.
+template <int D, int kColumns, int kThreads, bool kLloydMax, int kKeyBits, typename T, class QueryRow>
+__device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
+                                                    int num_columns, QueryRow query_row, const Codebook& codebook) {
+  for (int i = threadIdx.x; i < kColumns * D; i += kThreads) {
+    const int j = i / D;
+    qs[i] = j < num_columns ? to_float(query[query_row(j) * D + i % D]) : 0.0f;
+  }
+  if constexpr (kLloydMax) {
+    constexpr uint32_t mask = (1u << kKeyBits) - 1u;
+    for (int i = threadIdx.x; i < (1 << (2 * kKeyBits)) * 32; i += kThreads) {
+      const uint32_t pair = static_cast<uint32_t>(i) >> 5;  // replicated once per bank
+      pair_table[i] = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
+    }
+  }
+  __syncthreads();
+  if constexpr (kLloydMax) {
+    for (int h = 1; h < D; h <<= 1) {
+      for (int t = threadIdx.x; t < kColumns * (D / 2); t += kThreads) {
+        const int row = t / (D / 2), k = t % (D / 2);
+        const int j = (k / h) * 2 * h + (k % h);
+        float* q_row = qs + row * D;
+        const float x = q_row[j], y = q_row[j + h];
+        q_row[j] = x + y;
+        q_row[j + h] = x - y;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// One 16-token tile of the online softmax for this thread's score columns 2c and 2c + 1 (scores
+// s in the mma C layout: tokens g, g + 8 x columns 2c, 2c + 1; log2 domain, masked ones -inf;
+// a column's 16 tokens live in the 8 lanes sharing c). Once the running max m settles, no score
+// of a tile exceeds it: the max is then unchanged, the rescale factors are exactly 1, and the
+// cross-lane reduction (three dependent shuffle rounds at the head of every tile's chain) is
+// skipped; a warp-uniform vote picks the path, so the results are bit-equal. Rescales acc (the
+// O^T fragments of the same columns) and l, returns the weights p and the factors alpha.
+template <int kKSteps>
+__device__ __forceinline__ void online_softmax_tile(const float (&s)[4], float (&m)[2], float (&l)[2],
+                                                    float (&acc)[kKSteps][4], float (&p)[4], float (&alpha)[2]) {
+  const float t0 = fmaxf(s[0], s[2]), t1 = fmaxf(s[1], s[3]);
+  alpha[0] = alpha[1] = 1.0f;
+  if (__any_sync(kFullMask, t0 > m[0] || t1 > m[1])) {
+    float r0 = t0, r1 = t1;
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      r0 = fmaxf(r0, __shfl_xor_sync(kFullMask, r0, off));
+      r1 = fmaxf(r1, __shfl_xor_sync(kFullMask, r1, off));
+    }
+    const float m0 = fmaxf(m[0], r0), m1 = fmaxf(m[1], r1);
+    alpha[0] = exp2_ftz(m[0] - (m0 == -INFINITY ? 0.0f : m0));
+    alpha[1] = exp2_ftz(m[1] - (m1 == -INFINITY ? 0.0f : m1));
+    m[0] = m0;
+    m[1] = m1;
+#pragma unroll
+    for (int i = 0; i < kKSteps; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[1];
+      acc[i][2] *= alpha[0];
+      acc[i][3] *= alpha[1];
+    }
+  }
+  const float base0 = m[0] == -INFINITY ? 0.0f : m[0], base1 = m[1] == -INFINITY ? 0.0f : m[1];
+  p[0] = exp2_ftz(s[0] - base0);
+  p[1] = exp2_ftz(s[1] - base1);
+  p[2] = exp2_ftz(s[2] - base0);
+  p[3] = exp2_ftz(s[3] - base1);
+  l[0] = l[0] * alpha[0] + (p[0] + p[2]);
+  l[1] = l[1] * alpha[1] + (p[1] + p[3]);
+}
+
+// Sums of a thread's two column partials (l or z) over the 8 lanes sharing c.
+__device__ __forceinline__ void sum_over_column_lanes(float (&v)[2]) {
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    v[0] += __shfl_xor_sync(kFullMask, v[0], off);
+    v[1] += __shfl_xor_sync(kFullMask, v[1], off);
+  }
+}
+
+}  // namespace device
+}  // namespace turboquant
