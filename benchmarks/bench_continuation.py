@@ -1,10 +1,10 @@
 """Continuation chunks: where decode_varlen stops paying off against dequantize + SDPA.
 
 A continuation chunk of q_len tokens over a context of L cached tokens (the chunk's own included)
-is attended either by ``decode_varlen`` on the packed cache (reads the context once per query
-token, no dense copy) or by ``dequantize`` into dense K/V and SDPA with a bottom-right causal
-mask (one read of the packed context, a dense write and read, then attention). Times, for one
-sequence (PagedAttentionLayer handles continuation chunks one sequence at a time):
+is attended either by ``decode_varlen`` on the packed cache (no dense copy; the decode kernel
+serves 8 // group query tokens per CTA, the opt-in chunked kernel 64 // group) or by
+``dequantize`` into dense K/V and SDPA with a bottom-right causal mask (one read of the packed
+context, a dense write and read, then attention). Times, for one sequence:
   * varlen: ``tq.decode_varlen``;
   * dense: dequantize + PagedAttentionLayer._sdpa (the reference layer's path: SDPA in the query
     dtype with a lower-right causal bias, what a serving stack would run).
@@ -12,7 +12,9 @@ Prints, per context length, the largest q_len up to which decode_varlen is faste
 ``varlen_threshold`` is set from the long contexts, where the choice matters (short ones are
 dominated by host overhead in eager mode, see RESULTS.md).
 
-    python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--out results.md]
+    python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--chunked] [--out results.md]
+
+``--chunked`` runs decode_varlen on kernels/decode_chunked.cu (TURBOQUANT_VARLEN_CHUNKED=1).
 """
 
 from __future__ import annotations
@@ -39,11 +41,15 @@ CONTEXTS = (2048, 8192, 32768)
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=list(tq.PRESETS), default="turboquant_4bit_nc")
+    p.add_argument("--chunked", action="store_true", help="decode_varlen on the chunked kernel")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.chunked:  # read by the library at its first varlen launch
+        os.environ["TURBOQUANT_VARLEN_CHUNKED"] = "1"
+    kernel = "chunked kernel (64 columns per CTA)" if a.chunked else "decode kernel (8 columns per CTA)"
     scale = HEAD_DIM ** -0.5
     lines = [f"Continuation chunk of one sequence, Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {a.preset}, bf16, "
-             f"{torch.cuda.get_device_name()}; {datetime.date.today()}", "",
+             f"{torch.cuda.get_device_name()}; decode_varlen on the {kernel}; {datetime.date.today()}", "",
              "| L | q_len | decode_varlen us | dequantize + SDPA us | decode_varlen faster |",
              "|---|---|---|---|---|"]
     print(lines[0], flush=True)

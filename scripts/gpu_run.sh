@@ -66,6 +66,8 @@ fi
 if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
   timeout 300 "$PYTHON" benchmarks/bench_continuation.py --out "$OUT/results.md" > "$OUT/bench_continuation.log" 2>&1 || status=1
   tail -32 "$OUT/bench_continuation.log"
+  timeout 300 "$PYTHON" benchmarks/bench_continuation.py --chunked --out "$OUT/results.md" > "$OUT/bench_continuation_chunked.log" 2>&1 || status=1
+  tail -32 "$OUT/bench_continuation_chunked.log"
 fi
 if has speed; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's
