@@ -200,7 +200,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
         vh[2 * q4 + 1] = high_codes_to_half2<C::VB>(x);
       }
       if (part == 0) {
-        scalars[row] = C::kFp8Key ? 1.0f : load_half(slot + C::kLayout.key_norm_offset);
+        if constexpr (C::kFp8Key) {
+          scalars[row] = 1.0f;
+        } else {
+          scalars[row] = load_half(slot + C::kLayout.key_norm_offset);
+        }
         scalars[kTokenTile + row] = load_half(slot + C::kLayout.value_scale_offset);
         scalars[2 * kTokenTile + row] = load_half(slot + C::kLayout.value_zero_offset);
       }

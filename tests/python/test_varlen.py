@@ -171,3 +171,26 @@ def test_chunked_varlen_kernel_passes_the_varlen_cuda_tests():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                              "-k", "cuda and not chunked_varlen_kernel"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset, block_size, head_major, group", [
+    *[(p, 32, False, 5) for p in PRESETS],
+    ("turboquant_4bit_nc", 64, True, 7),
+    ("turboquant_3bit_nc", 128, True, 2),
+])
+def test_decode_varlen_cuda_block_sizes_layouts_and_bad_block_ids(preset, block_size, head_major, group):
+    """Tiles at non-zero offsets in their blocks, head-major caches, GQA 5 and 7, and block-table
+    entries outside the cache (their tokens are masked on both devices)."""
+    hkv, d = 2, 128
+    seq_lens, q_lens = [260, 70], [40, 9]
+    cache, bt, sl, _, _ = make_paged_batch(seq_lens, block_size, hkv, d, preset, head_major=head_major, seed=group)
+    bt[0, 1] = 10 ** 6  # a block id past the cache
+    bt[1, 0] = -3
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), hkv * group, d).half().float()
+    ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, 3)
+    gpu_cache = cache.cuda() if not head_major else cache.transpose(1, 2).contiguous().cuda().transpose(1, 2)
+    out = tq.decode_varlen(query.half().cuda(), gpu_cache, bt.cuda(), sl.cuda(), starts.cuda(), preset, 0.1, 3)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.float().cpu(), ref) <= 2e-3
