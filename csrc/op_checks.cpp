@@ -121,14 +121,17 @@ static void check_block_table_and_seq_lens(const at::Tensor& block_table, const 
               " entries (batch), got ", seq_lens.size(0));
 }
 
-// Query, cache, block table and lengths of a decode; the block table has `batch` rows.
+// Query, cache, block table and lengths of a decode: one query row per sequence, or, with
+// query_start_loc (varlen), batch = its length - 1 sequences over the query's rows.
 static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor& kv_cache,
                                       const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                      const std::string& preset, int64_t num_splits, int64_t batch,
-                                      const char* query_shape) {
+                                      const at::Tensor* query_start_loc, const std::string& preset,
+                                      int64_t num_splits) {
   DecodeArgs a;
   a.preset = &get_preset(preset);
-  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D ", query_shape, ", got shape ", query.sizes());
+  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D ",
+              query_start_loc ? "[total_q, num_q_heads, head_dim]" : "[batch, num_q_heads, head_dim]",
+              ", got shape ", query.sizes());
   TQ_CHECK(is_float_dtype(query.scalar_type()),
               "turboquant: query must be float16, bfloat16 or float32, got ", query.scalar_type());
   TQ_CHECK(query.is_contiguous(), "turboquant: query must be contiguous");
@@ -137,12 +140,18 @@ static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor&
   TQ_CHECK(a.cache.num_kv_heads > 0 && query.size(1) % a.cache.num_kv_heads == 0,
               "turboquant: query heads (", query.size(1),
               ") must be a multiple of kv_cache heads (", a.cache.num_kv_heads, ")");
-  check_block_table_and_seq_lens(block_table, seq_lens, batch);
+  a.batch = query.size(0);
+  if (query_start_loc != nullptr) {
+    check_index_tensor(*query_start_loc, "query_start_loc", 1, /*allow_int64=*/false);
+    TQ_CHECK(query_start_loc->size(0) >= 1, "turboquant: query_start_loc must have batch + 1 >= 1 entries, got 0");
+    check_same_device(query, "query", *query_start_loc, "query_start_loc");
+    a.batch = query_start_loc->size(0) - 1;
+  }
+  check_block_table_and_seq_lens(block_table, seq_lens, a.batch);
   TQ_CHECK(num_splits >= 0, "turboquant: num_splits must be >= 0 (0 = choose), got ", num_splits);
   check_same_device(query, "query", kv_cache, "kv_cache");
   check_same_device(query, "query", block_table, "block_table");
   check_same_device(query, "query", seq_lens, "seq_lens");
-  a.batch = batch;
   a.num_q_heads = query.size(1);
   a.max_blocks_per_seq = block_table.size(1);
   return a;
@@ -151,23 +160,14 @@ static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor&
 DecodeArgs check_decode_args(const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
                              const std::string& preset, int64_t num_splits) {
-  TQ_CHECK(query.dim() == 3, "turboquant: query must be 3-D [batch, num_q_heads, head_dim], got shape ",
-              query.sizes());
-  return check_decode_common(query, kv_cache, block_table, seq_lens, preset, num_splits, query.size(0),
-                             "[batch, num_q_heads, head_dim]");
+  return check_decode_common(query, kv_cache, block_table, seq_lens, nullptr, preset, num_splits);
 }
 
 DecodeArgs check_decode_varlen_args(const at::Tensor& query, const at::Tensor& kv_cache,
                                     const at::Tensor& block_table, const at::Tensor& seq_lens,
                                     const at::Tensor& query_start_loc, const std::string& preset,
                                     int64_t num_splits) {
-  check_index_tensor(query_start_loc, "query_start_loc", 1, /*allow_int64=*/false);
-  TQ_CHECK(query_start_loc.size(0) >= 1, "turboquant: query_start_loc must have batch + 1 >= 1 entries, got 0");
-  const int64_t batch = query_start_loc.size(0) - 1;
-  DecodeArgs a = check_decode_common(query, kv_cache, block_table, seq_lens, preset, num_splits, batch,
-                                     "[total_q, num_q_heads, head_dim]");
-  check_same_device(query, "query", query_start_loc, "query_start_loc");
-  return a;
+  return check_decode_common(query, kv_cache, block_table, seq_lens, &query_start_loc, preset, num_splits);
 }
 
 void check_query_start_loc_values(const at::Tensor& query_start_loc, int64_t total_q) {

@@ -1,8 +1,10 @@
 // Split-KV decode attention directly on the packed paged cache.
 //
 // One CTA (8 warps) per (sequence, KV head, split) serves all query heads of the GQA group (up
-// to 8; larger groups take several CTAs), so each packed byte is read from HBM once. Per warp and
-// 16-token tile:
+// to 8; larger groups take several CTAs), so each packed byte is read from HBM once. Its 8 MMA
+// columns are (query token, head) pairs (turboquant/query_chunks.h): one token per sequence in a
+// plain decode, 8 / group tokens of a chunk for varlen queries, each with its causal limit. Per
+// warp and 16-token tile:
 //   * 16-byte cp.async copies bring the tile's 16 slots (the aligned 16-byte chunks around each
 //     2-byte-aligned slot; two lanes per token row) into a per-warp shared-memory ring of
 //     kStages tiles. Block ids are loaded 32 tiles ahead, one per lane, so issuing a tile never
@@ -86,24 +88,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
           : locate_query_chunk(p.query_start_loc, p.batch, p.query_rows, varlen_tokens_per_cta(group), blockIdx.z);
   if (chunk.tokens == 0) return;  // CTA-uniform: a chunk index past its sequence's queries
   const int b = chunk.seq;
-  const int num_columns = chunk.tokens * num_heads;
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
-  const int seq_len = min(max(p.seq_lens[b], 0), max_context);
-  // Causal limits of this thread's score columns 2c and 2c + 1 (0 for unused columns: masked).
-  auto column_limit = [&](int j) {
-    return j < num_columns ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + j / num_heads) : 0;
-  };
-  const int limit0 = column_limit(2 * c), limit1 = column_limit(2 * c + 1);
-  const TokenRange range = split_token_range(column_limit(num_columns - 1), p.num_splits, split);
-  auto query_row = [&](int j) -> int64_t {
-    return static_cast<int64_t>(chunk.row0 + j / num_heads) * p.num_q_heads + head0 + j % num_heads;
-  };
+  const QueryColumns columns{chunk, num_heads, head0, min(max(p.seq_lens[b], 0), max_context), p.num_q_heads};
+  const int num_columns = columns.count();
+  const int limit0 = columns.limit(2 * c), limit1 = columns.limit(2 * c + 1);  // this thread's score columns
+  const TokenRange range = split_token_range(columns.limit(num_columns - 1), p.num_splits, split);
 
   // ---- query columns -> shared memory (fp32), rotated for Lloyd-Max keys; pair table
   float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
-  stage_query_columns<D, kHeads, kThreads, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query),
-                                                               num_columns, query_row, p.codebook);
+  stage_query_columns<D, kHeads, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query),
+                                                               columns, p.codebook);
   // B fragments of Q^T: logical k (2c, 2c+1 | 2c+8, 2c+9) of step j = physical dims c*D/4 + 4j + (0,1 | 2,3).
   uint32_t qf[C::kKSteps][2];
 #pragma unroll
@@ -300,10 +295,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
         const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel);
         const uint32_t x23 = __byte_perm(vw[2][w], vw[3][w], sel);
-        a0 = low_nibbles_to_half2(x01);
-        a1 = high_nibbles_to_half2(x01);
-        a2 = low_nibbles_to_half2(x23);
-        a3 = high_nibbles_to_half2(x23);
+        a0 = low_codes_to_half2<4>(x01);
+        a1 = high_codes_to_half2<4>(x01);
+        a2 = low_codes_to_half2<4>(x23);
+        a3 = high_codes_to_half2<4>(x23);
       } else {
         // Dims 2i (row g) and 2i + 1 (row g + 8) are the two VB-bit codes at bit 2i VB of each
         // token's chunk: a 16-bit window per token, two tokens per word (one PRMT), then one
@@ -366,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       out = num / den;
       lse = mx + log2f(den);
     }
-    const int64_t row = query_row(h);
+    const int64_t row = columns.row(h);
     if (p.num_splits == 1) {
       static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
     } else {

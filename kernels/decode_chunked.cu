@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "decode_common.cuh"
 #include "device_utils.cuh"
@@ -42,11 +43,11 @@ struct ChunkedConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kTileHalves = kTokenTile * kTileStride;
   static constexpr int kPairs = kFp8Key ? 0 : 1 << (2 * KB);
   static constexpr int kPairTableWords = kPairs * 32;
-  // Shared memory: [ring | 2 x (K tile, V tile) | 2 x row scalars | stage metadata], aliased by
-  // the query rotation at set-up; then the pair table.
+  // Shared memory: [ring | K tile, V tile | row scalars | stage metadata], aliased by the query
+  // rotation at set-up; then the pair table.
   static constexpr int kRingBytes = kStages * kStageBytes;
-  static constexpr int kTilesBytes = 2 * 2 * kTileHalves * 2;
-  static constexpr int kRowScalarBytes = 2 * 4 * kTokenTile * 4;  // norm, scale, zero, valid
+  static constexpr int kTilesBytes = 2 * kTileHalves * 2;
+  static constexpr int kRowScalarBytes = 4 * kTokenTile * 4;  // norm, scale, zero, valid
   static constexpr int kStageMetaBytes = kStages * kTokenTile * 4;
   static constexpr int kLoopBytes = kRingBytes + kTilesBytes + kRowScalarBytes + kStageMetaBytes + 16;
   static constexpr int kQueryBytes = kChunkedColumns * D * 4;
@@ -79,8 +80,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   constexpr int D = C::D;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* ring = smem;
-  __half* tiles = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [2][K, V][16][kTileStride]
-  float* row_scalars = reinterpret_cast<float*>(smem + C::kRingBytes + C::kTilesBytes);  // [2][4][16]
+  __half* k_tile = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [16][kTileStride]
+  __half* v_tile = k_tile + C::kTileHalves;
+  float* scalars = reinterpret_cast<float*>(smem + C::kRingBytes + C::kTilesBytes);  // [norm, scale, zero, valid][16]
   int* stage_rows = reinterpret_cast<int*>(smem + C::kRingBytes + C::kTilesBytes + C::kRowScalarBytes);  // [S][16]
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
 
@@ -94,22 +96,17 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
                                               chunked_tokens_per_cta(group), blockIdx.z);
   if (chunk.tokens == 0) return;  // CTA-uniform
   const int b = chunk.seq;
-  const int num_columns = chunk.tokens * group;
   const int block_size = p.cache.block_size;
-  const int seq_len = min(max(p.seq_lens[b], 0), p.max_blocks_per_seq * block_size);
-  auto column_limit = [&](int j) {
-    return j < num_columns ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + j / group) : 0;
-  };
-  auto query_row = [&](int j) -> int64_t {
-    return static_cast<int64_t>(chunk.row0 + j / group) * p.num_q_heads + head0 + j % group;
-  };
+  const QueryColumns columns{chunk, group, head0, min(max(p.seq_lens[b], 0), p.max_blocks_per_seq * block_size),
+                             p.num_q_heads};
+  const int num_columns = columns.count();
   const int my_col0 = warp * 8;  // this warp's columns [my_col0, my_col0 + 8)
-  const int limit0 = column_limit(my_col0 + 2 * c), limit1 = column_limit(my_col0 + 2 * c + 1);
-  const TokenRange range = split_token_range(column_limit(num_columns - 1), p.num_splits, split);
+  const int limit0 = columns.limit(my_col0 + 2 * c), limit1 = columns.limit(my_col0 + 2 * c + 1);
+  const TokenRange range = split_token_range(columns.limit(num_columns - 1), p.num_splits, split);
 
   // ---- set-up: query columns (fp32, rotated for Lloyd-Max keys) -> B fragments; pair table
-  stage_query_columns<D, kChunkedColumns, kDecodeThreads, !C::kFp8Key, C::KB>(
-      reinterpret_cast<float*>(smem), pair_table, static_cast<const T*>(p.query), num_columns, query_row, p.codebook);
+  stage_query_columns<D, kChunkedColumns, !C::kFp8Key, C::KB>(
+      reinterpret_cast<float*>(smem), pair_table, static_cast<const T*>(p.query), columns, p.codebook);
   // B fragments of Q^T for this warp's columns: k (2c, 2c+1 | 2c+8, 2c+9) of step j = dims 16j + ..
   uint32_t qf[D / 16][2];
   {
@@ -153,22 +150,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     cp_async_commit();
   };
 
-  // Dequantizes the tile in ring stage `stage` into tile buffer `buf` (thread t: row t / 16,
+  // Dequantizes the tile in ring stage `stage` into k_tile, v_tile and scalars (thread t: row t / 16,
   // dims [(t % 16) * kDimsPerThread, +kDimsPerThread)).
   const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
   const uint32_t lane_bytes = lane * 4u;
-  auto dequantize_tile = [&](int stage, int buf) {
+  auto dequantize_tile = [&](int stage) {
     const int row = copy_row, part = copy_chunk;
     const int at = stage_rows[stage * kTokenTile + row];
-    __half* k_tile = tiles + (buf * 2) * C::kTileHalves + row * C::kTileStride;
-    __half* v_tile = tiles + (buf * 2 + 1) * C::kTileHalves + row * C::kTileStride;
-    float* scalars = row_scalars + buf * 4 * kTokenTile;
+    __half* k_out = k_tile + row * C::kTileStride;
+    __half* v_out = v_tile + row * C::kTileStride;
     const int dim0 = part * C::kDimsPerThread;
-    uint32_t kh[C::kDimsPerThread / 2], vh[C::kDimsPerThread / 2];
-    if (at < 0) {  // masked row: zeros (its scores are masked; zeros keep NaN out of the MMA)
-#pragma unroll
-      for (int i = 0; i < C::kDimsPerThread / 2; ++i) kh[i] = vh[i] = 0u;
-    } else {
+    // A masked row gets zeros everywhere (its scores are masked; zeros keep NaN out of the MMA).
+    uint32_t kh[C::kDimsPerThread / 2] = {}, vh[C::kDimsPerThread / 2] = {};
+    float norm = 0.0f, scale = 0.0f, zero = 0.0f;
+    if (at >= 0) {
       const uint8_t* slot = ring + stage * C::kStageBytes + row * C::kRowBytes + at;
       // This thread's indices start at bit dim0 * bits: a whole byte except for 3-bit codes at
       // D = 64 (12 bits per thread), where odd parts start mid-byte.
@@ -199,23 +194,24 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
         vh[2 * q4] = low_codes_to_half2<C::VB>(x);
         vh[2 * q4 + 1] = high_codes_to_half2<C::VB>(x);
       }
-      if (part == 0) {
-        if constexpr (C::kFp8Key) {
-          scalars[row] = 1.0f;
-        } else {
-          scalars[row] = load_half(slot + C::kLayout.key_norm_offset);
-        }
-        scalars[kTokenTile + row] = load_half(slot + C::kLayout.value_scale_offset);
-        scalars[2 * kTokenTile + row] = load_half(slot + C::kLayout.value_zero_offset);
+      if constexpr (C::kFp8Key) {
+        norm = 1.0f;
+      } else {
+        norm = load_half(slot + C::kLayout.key_norm_offset);
       }
+      scale = load_half(slot + C::kLayout.value_scale_offset);
+      zero = load_half(slot + C::kLayout.value_zero_offset);
     }
-    if (part == 0) scalars[3 * kTokenTile + row] = at < 0 ? 0.0f : 1.0f;
-    if (at < 0 && part == 0) scalars[row] = scalars[kTokenTile + row] = scalars[2 * kTokenTile + row] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < C::kDimsPerThread / 2; ++i) {
-      reinterpret_cast<uint32_t*>(k_tile + dim0)[i] = kh[i];
-      reinterpret_cast<uint32_t*>(v_tile + dim0)[i] = vh[i];
+    if (part == 0) {
+      scalars[row] = norm;
+      scalars[kTokenTile + row] = scale;
+      scalars[2 * kTokenTile + row] = zero;
+      scalars[3 * kTokenTile + row] = at < 0 ? 0.0f : 1.0f;
     }
+    // One 16-byte (D = 128) or 8-byte (D = 64) store per tile row piece.
+    using Piece = std::conditional_t<C::kDimsPerThread == 8, uint4, uint2>;
+    *reinterpret_cast<Piece*>(k_out + dim0) = *reinterpret_cast<const Piece*>(kh);
+    *reinterpret_cast<Piece*>(v_out + dim0) = *reinterpret_cast<const Piece*>(vh);
   };
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, z[2] = {0.0f, 0.0f};
@@ -233,14 +229,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     next_block = tile_block(tile + C::kStages);
     issue_tile(tile + C::kStages - 1, block);  // into the stage tile - 1 used (dequantized before barrier B)
     cp_async_wait<C::kStages - 1>();
-    __syncthreads();  // (A) every thread's copies of this tile are visible
-    const int buf = tile & 1;  // compute(tile - 2) read it before (A) of tile - 1
-    dequantize_tile(tile % C::kStages, buf);
+    __syncthreads();  // (A) this tile's copies are visible, and every warp is done with the last tile
+    dequantize_tile(tile % C::kStages);
     __syncthreads();  // (B) the dequantized tile is visible
 
-    const __half* k_tile = tiles + (buf * 2) * C::kTileHalves;
-    const __half* v_tile = tiles + (buf * 2 + 1) * C::kTileHalves;
-    const float* scalars = row_scalars + buf * 4 * kTokenTile;
     float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
@@ -281,7 +273,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   for (int k = 0; k < 2; ++k) {
     const int column = my_col0 + 2 * c + k;
     if (column >= num_columns) continue;
-    const int64_t row = query_row(column);
+    const int64_t row = columns.row(column);
     const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
@@ -315,9 +307,7 @@ struct LaunchChunked {
           decode_chunked_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
       if (attr != cudaSuccess) return attr;
       const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(D)));
-      const int group = p.num_q_heads / p.cache.num_kv_heads;
-      const dim3 grid(p.cache.num_kv_heads, p.num_splits,
-                      varlen_query_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group)));
+      const dim3 grid(p.cache.num_kv_heads, p.num_splits, decode_chunked_query_chunks(p));
       decode_chunked_kernel<C, T><<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, q_multiplier);
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess || p.num_splits == 1) return err;

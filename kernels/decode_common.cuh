@@ -1,12 +1,13 @@
 // Pieces shared by the two decode kernels (decode.cu: 8 query columns per CTA, each warp its own
-// tiles; decode_chunked.cu: 64 columns per CTA sharing each tile): the query staging and the
-// online softmax of a thread's two score columns.
+// tiles; decode_chunked.cu: 64 columns per CTA sharing each tile): the staged slot geometry,
+// pair-table addressing, the query staging and the online softmax of a thread's two columns.
 #pragma once
 
 #include <cmath>
 
 #include "device_utils.cuh"
 #include "turboquant/layout.h"
+#include "turboquant/query_chunks.h"
 
 namespace turboquant {
 
@@ -33,20 +34,47 @@ struct StagedSlot {
 
 namespace device {
 
-// Query columns -> qs[kColumns][D] in fp32 (zeros from num_columns on), rotated by the FWHT for
+// An fp16 field of a slot (2-byte aligned in shared memory) as float.
+__device__ __forceinline__ float load_half(const uint8_t* p) {
+  return half_bits_to_float(*reinterpret_cast<const uint16_t*>(p));
+}
+
+// 2^x with flush-to-zero (one MUFU op; exp2f adds a denormal fix-up around it). 2^-inf = 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of this lane's copy of pair-table entry `pair` (word pair * 32 + lane), where
+// `pair` is the `width`-bit field at bit `bit` of the little-endian stream `w`: the field is
+// shifted straight to bit 7 (no separate extract, scale and add), then the lane's bank is or-ed in.
+template <int NW>
+__device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], int bit, int width, uint32_t lane_bytes) {
+  const int word = bit >> 5, shift = bit & 31;
+  uint32_t x;
+  if (shift + width <= 32) {
+    x = shift >= 7 ? w[word] >> (shift - 7) : w[word] << (7 - shift);
+  } else {  // straddles two words; then shift > 32 - width >= 24, so shift - 7 > 0
+    x = __funnelshift_r(w[word], w[word + 1], shift - 7);
+  }
+  return (x & (((1u << width) - 1u) << 7)) | lane_bytes;
+}
+
+// Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the FWHT for
 // Lloyd-Max keys (the butterflies of fwht_inplace, one row per column), plus the codebook's pair
 // table replicated once per bank (word pair * 32 + lane) for Lloyd-Max keys of kKeyBits bits.
 // Every thread of the CTA calls it; qs and the table are visible to all when it returns.
-template <int D, int kColumns, int kThreads, bool kLloydMax, int kKeyBits, typename T, class QueryRow>
+template <int D, int kColumns, bool kLloydMax, int kKeyBits, typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
-                                                    int num_columns, QueryRow query_row, const Codebook& codebook) {
-  for (int i = threadIdx.x; i < kColumns * D; i += kThreads) {
+                                                    const QueryColumns& columns, const Codebook& codebook) {
+  for (int i = threadIdx.x; i < kColumns * D; i += kDecodeThreads) {
     const int j = i / D;
-    qs[i] = j < num_columns ? to_float(query[query_row(j) * D + i % D]) : 0.0f;
+    qs[i] = j < columns.count() ? to_float(query[columns.row(j) * D + i % D]) : 0.0f;
   }
   if constexpr (kLloydMax) {
     constexpr uint32_t mask = (1u << kKeyBits) - 1u;
-    for (int i = threadIdx.x; i < (1 << (2 * kKeyBits)) * 32; i += kThreads) {
+    for (int i = threadIdx.x; i < (1 << (2 * kKeyBits)) * 32; i += kDecodeThreads) {
       const uint32_t pair = static_cast<uint32_t>(i) >> 5;  // replicated once per bank
       pair_table[i] = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
     }
@@ -54,7 +82,7 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   __syncthreads();
   if constexpr (kLloydMax) {
     for (int h = 1; h < D; h <<= 1) {
-      for (int t = threadIdx.x; t < kColumns * (D / 2); t += kThreads) {
+      for (int t = threadIdx.x; t < kColumns * (D / 2); t += kDecodeThreads) {
         const int row = t / (D / 2), k = t % (D / 2);
         const int j = (k / h) * 2 * h + (k % h);
         float* q_row = qs + row * D;

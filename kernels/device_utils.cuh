@@ -150,10 +150,6 @@ __device__ __forceinline__ uint32_t high_codes_to_half2(uint32_t x) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// Nibbles of bytes 0 and 2 of x (low: bits 0-3, high: bits 4-7) -> half2 exactly.
-__device__ __forceinline__ uint32_t low_nibbles_to_half2(uint32_t x) { return low_codes_to_half2<4>(x); }
-__device__ __forceinline__ uint32_t high_nibbles_to_half2(uint32_t x) { return high_codes_to_half2<4>(x); }
-
 // The 16 bits at bit `off` of the little-endian stream w (off a compile-time constant after
 // unrolling: one shift or funnel shift).
 template <int NW>
@@ -204,34 +200,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// ---- decode helpers shared by kernels/decode.cu and kernels/decode_chunked.cu
-// An fp16 field of a slot (2-byte aligned in shared memory) as float.
-__device__ __forceinline__ float load_half(const uint8_t* p) {
-  return half_bits_to_float(*reinterpret_cast<const uint16_t*>(p));
-}
-
-// 2^x with flush-to-zero (one MUFU op; exp2f adds a denormal fix-up around it). 2^-inf = 0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Byte offset of this lane's copy of pair-table entry `pair` (word pair * 32 + lane), where
-// `pair` is the `width`-bit field at bit `bit` of the little-endian stream `w`: the field is
-// shifted straight to bit 7 (no separate extract, scale and add), then the lane's bank is or-ed in.
-template <int NW>
-__device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], int bit, int width, uint32_t lane_bytes) {
-  const int word = bit >> 5, shift = bit & 31;
-  uint32_t x;
-  if (shift + width <= 32) {
-    x = shift >= 7 ? w[word] >> (shift - 7) : w[word] << (7 - shift);
-  } else {  // straddles two words; then shift > 32 - width >= 24, so shift - 7 > 0
-    x = __funnelshift_r(w[word], w[word + 1], shift - 7);
-  }
-  return (x & (((1u << width) - 1u) << 7)) | lane_bytes;
 }
 
 }  // namespace device

@@ -90,6 +90,7 @@ cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
 bool decode_chunked_supports(const DecodeParams& p);
 int decode_chunked_query_chunks(const DecodeParams& p);
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
+
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 
 }  // namespace turboquant

@@ -80,4 +80,22 @@ TQ_HD int causal_limit(int seq_len, int q_len, int pos) {
   return limit < 0 ? 0 : (limit > seq_len ? seq_len : limit);
 }
 
+// The query columns of a decode CTA: column j is query head head0 + j % heads of query row
+// chunk.row0 + j / heads and sees cached positions [0, limit(j)); columns from count() on are
+// unused (limit 0: every score masked).
+struct QueryColumns {
+  QueryChunk chunk;
+  int heads;        // query heads of each token in this CTA
+  int head0;        // the first of them
+  int seq_len;      // cached tokens of the sequence, the chunk's own included (clamped)
+  int num_q_heads;  // row stride of the query, in heads
+  TQ_HD int count() const { return chunk.tokens * heads; }
+  TQ_HD int limit(int j) const {
+    return j < count() ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + j / heads) : 0;
+  }
+  TQ_HD int64_t row(int j) const {  // index of the column's [head_dim] vector in query and out
+    return static_cast<int64_t>(chunk.row0 + j / heads) * num_q_heads + head0 + j % heads;
+  }
+};
+
 }  // namespace turboquant
