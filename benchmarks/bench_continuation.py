@@ -2,7 +2,7 @@
 
 A continuation chunk of q_len tokens over a context of L cached tokens (the chunk's own included)
 is attended either by ``decode_varlen`` on the packed cache (no dense copy; the decode kernel
-serves 8 // group query tokens per CTA, the opt-in chunked kernel 64 // group) or by
+serves 8 // group query tokens per CTA, the chunked kernel 64 // group) or by
 ``dequantize`` into dense K/V and SDPA with a bottom-right causal mask (one read of the packed
 context, a dense write and read, then attention). Times, for one sequence:
   * varlen: ``tq.decode_varlen``;
@@ -12,9 +12,10 @@ Prints, per context length, the largest q_len up to which decode_varlen is faste
 ``varlen_threshold`` is set from the long contexts, where the choice matters (short ones are
 dominated by host overhead in eager mode, see RESULTS.md).
 
-    python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--chunked] [--out results.md]
+    python benchmarks/bench_continuation.py [--preset turboquant_4bit_nc] [--kernel auto|decode|chunked] [--out results.md]
 
-``--chunked`` runs decode_varlen on kernels/decode_chunked.cu (TURBOQUANT_VARLEN_CHUNKED=1).
+``--kernel`` forces decode_varlen's kernel (TURBOQUANT_VARLEN_KERNEL): kernels/decode.cu or
+kernels/decode_chunked.cu; ``auto`` (default) lets the library pick by shape.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ CONTEXTS = (2048, 8192, 32768)
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=list(tq.PRESETS), default="turboquant_4bit_nc")
-    p.add_argument("--chunked", action="store_true", help="decode_varlen on the chunked kernel")
+    p.add_argument("--kernel", choices=["auto", "decode", "chunked"], default="auto",
+                   help="decode_varlen's kernel (default: the library's choice by shape)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    if a.chunked:  # read by the library at its first varlen launch
-        os.environ["TURBOQUANT_VARLEN_CHUNKED"] = "1"
-    kernel = "chunked kernel (64 columns per CTA)" if a.chunked else "decode kernel (8 columns per CTA)"
+    if a.kernel != "auto":  # read by the library at its first varlen launch
+        os.environ["TURBOQUANT_VARLEN_KERNEL"] = a.kernel
+    kernel = {"auto": "kernel the library picks by shape", "decode": "decode kernel (8 columns per CTA)",
+              "chunked": "chunked kernel (64 columns per CTA)"}[a.kernel]
     scale = HEAD_DIM ** -0.5
     lines = [f"Continuation chunk of one sequence, Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {a.preset}, bf16, "
              f"{torch.cuda.get_device_name()}; decode_varlen on the {kernel}; {datetime.date.today()}", "",

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <string>
 
 #include "decode_common.cuh"
 #include "device_utils.cuh"
@@ -477,13 +478,24 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 
 }  // namespace
 
-// The chunked varlen kernel (decode_chunked.cu) is opt-in until it has run on a GPU.
+// Which kernel serves varlen queries. The chunked kernel (decode_chunked.cu) shares each
+// dequantized tile across 64 query columns but pays its dequantize and two barriers per tile even
+// for a few columns; the decode kernel's 8 columns win for decode-like rows. Measured crossover
+// (H200, GQA 4, benchmarks/RESULTS.md): the chunked kernel wins once the average sequence brings
+// enough (token, head) columns to fill its 64, i.e. total_q * group >= 64 * batch. The host sees
+// only shapes, so the choice is CUDA-graph safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked forces
+// one (tests and benchmarks of each kernel); read once per process.
 static bool use_chunked_varlen(const DecodeParams& p) {
-  static const bool requested = [] {
-    const char* v = std::getenv("TURBOQUANT_VARLEN_CHUNKED");
-    return v != nullptr && v[0] == '1';
+  if (p.query_start_loc == nullptr || !decode_chunked_supports(p)) return false;
+  static const int forced = [] {  // 0: by shape, 1: decode kernel, 2: chunked kernel
+    const char* v = std::getenv("TURBOQUANT_VARLEN_KERNEL");
+    if (v == nullptr) return 0;
+    const std::string kernel(v);
+    return kernel == "decode" ? 1 : kernel == "chunked" ? 2 : 0;
   }();
-  return requested && decode_chunked_supports(p);
+  if (forced != 0) return forced == 2;
+  const int64_t group = p.num_q_heads / p.cache.num_kv_heads;
+  return static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
 }
 
 int decode_default_num_splits(const DecodeParams& p) {

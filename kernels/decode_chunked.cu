@@ -37,24 +37,31 @@ template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct ChunkedConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
   using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_>;
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kStageBytes;
-  static constexpr int kStages = 4;  // tiles in flight + 1
+  // A loop step is kStepTiles 16-token tiles between one pair of barriers: the barriers, the
+  // softmax max reduction and the accumulator rescale are paid once per 64 tokens, and a warp
+  // runs kStepTiles independent score MMA chains.
+  static constexpr int kStepTiles = 4;
+  static constexpr int kStepTokens = kStepTiles * kTokenTile;
+  static constexpr int kStages = 3;  // steps in flight + 1
+  static constexpr int kStepBytes = kStepTiles * kStageBytes;
   static constexpr int kDimsPerThread = D / 16;  // 16 threads per token row in the dequantize
   static constexpr int kTileStride = D + 8;      // halves per dequantized row: ldmatrix without bank conflicts
-  static constexpr int kTileHalves = kTokenTile * kTileStride;
+  static constexpr int kTileHalves = kStepTokens * kTileStride;
   static constexpr int kPairs = kFp8Key ? 0 : 1 << (2 * KB);
   static constexpr int kPairTableWords = kPairs * 32;
   // Shared memory: [ring | K tile, V tile | row scalars | stage metadata], aliased by the query
   // rotation at set-up; then the pair table.
-  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kRingBytes = kStages * kStepBytes;
   static constexpr int kTilesBytes = 2 * kTileHalves * 2;
-  static constexpr int kRowScalarBytes = 4 * kTokenTile * 4;  // norm, scale, zero, valid
-  static constexpr int kStageMetaBytes = kStages * kTokenTile * 4;
-  static constexpr int kLoopBytes = kRingBytes + kTilesBytes + kRowScalarBytes + kStageMetaBytes + 16;
+  static constexpr int kRowScalarBytes = kStepTokens * 16;  // float4 (norm, scale, zero, valid) per row
+  static constexpr int kStageMetaBytes = kStages * kStepTokens * 4;
+  static constexpr int kLoopBytes = kRingBytes + kTilesBytes + kRowScalarBytes + kStageMetaBytes;
   static constexpr int kQueryBytes = kChunkedColumns * D * 4;
   static constexpr int kScratchBytes = cdiv(kLoopBytes > kQueryBytes ? kLoopBytes : kQueryBytes, 16) * 16;
   static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
   static_assert(kChunks <= 16, "one 16-byte chunk per thread and row");
   static_assert(D == 64 || D == 128, "head dims of the chunked kernel");
+  static_assert(2 * kSmemBytes <= 227 * 1024, "two CTAs per SM");
 };
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -80,10 +87,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   constexpr int D = C::D;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* ring = smem;
-  __half* k_tile = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [16][kTileStride]
+  __half* k_tile = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [kStepTokens][kTileStride]
   __half* v_tile = k_tile + C::kTileHalves;
-  float* scalars = reinterpret_cast<float*>(smem + C::kRingBytes + C::kTilesBytes);  // [norm, scale, zero, valid][16]
-  int* stage_rows = reinterpret_cast<int*>(smem + C::kRingBytes + C::kTilesBytes + C::kRowScalarBytes);  // [S][16]
+  float4* row_scalars = reinterpret_cast<float4*>(smem + C::kRingBytes + C::kTilesBytes);  // [kStepTokens]
+  int* stage_rows = reinterpret_cast<int*>(smem + C::kRingBytes + C::kTilesBytes + C::kRowScalarBytes);  // [S][kStepTokens]
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -119,44 +126,54 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   }
   __syncthreads();  // the loop's buffers reuse the query's
 
-  // ---- the CTA's tiles: copy (thread t: row t / 16, chunk t % 16), S - 1 tiles ahead
-  const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
+  // ---- the CTA's steps: copy (thread t: row t / 16 of each tile, chunk t % 16), S - 1 steps ahead
+  const int num_steps = range.end > range.begin ? cdiv(range.end - range.begin, C::kStepTokens) : 0;
   const int copy_row = threadIdx.x >> 4, copy_chunk = threadIdx.x & 15;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;
-  auto tile_block = [&](int tile) {
-    return tile < num_tiles ? block_row[(range.begin + tile * kTokenTile) >> block_shift] : -1;
+  // Block ids of a step's tiles (a tile starts at a multiple of 16 tokens, so it lies in one
+  // block); -1 past the range.
+  using StepBlocks = int[C::kStepTiles];
+  auto step_blocks = [&](int step, StepBlocks& blocks) {
+#pragma unroll
+    for (int t = 0; t < C::kStepTiles; ++t) {
+      const int t0 = range.begin + step * C::kStepTokens + t * kTokenTile;
+      blocks[t] = step < num_steps && t0 < range.end ? block_row[t0 >> block_shift] : -1;
+    }
   };
-  // Issues tile `tile` (block id `block`) into ring stage tile % S; thread (row, chunk 0) records
-  // the row's byte offset in its stage row, or -1 when the row is masked.
-  auto issue_tile = [&](int tile, int block) {
-    const int stage = tile % C::kStages;
-    const int t0 = range.begin + tile * kTokenTile;
-    const bool row_ok = tile < num_tiles && block >= 0 && block < p.cache.num_blocks && t0 + copy_row < range.end;
-    if (row_ok) {
-      const int64_t slot = block * p.cache.stride_block +
-                           static_cast<int64_t>((t0 & (block_size - 1)) + copy_row) * p.cache.stride_token + head_offset;
-      const int64_t first = slot & ~int64_t(15);
-      const int64_t chunk_at = first + 16 * copy_chunk;
-      // Whole 16-byte chunks inside the view only (span_bytes is a multiple of 16, host-checked).
-      if (copy_chunk < C::kChunks && chunk_at + 16 <= p.cache.span_bytes) {
-        cp_async_16(ring + stage * C::kStageBytes + copy_row * C::kRowBytes + 16 * copy_chunk, p.cache.data + chunk_at);
+  // Issues step `step` (its tiles' block ids `blocks`) into ring stage step % S; thread (row,
+  // chunk 0) records each of its rows' byte offset in the stage, or -1 when the row is masked.
+  auto issue_step = [&](int step, const StepBlocks& blocks) {
+    const int stage = step % C::kStages;
+#pragma unroll
+    for (int t = 0; t < C::kStepTiles; ++t) {
+      const int row = t * kTokenTile + copy_row;
+      const int pos = range.begin + step * C::kStepTokens + row;
+      const int block = blocks[t];
+      if (block >= 0 && block < p.cache.num_blocks && pos < range.end) {
+        const int64_t slot = block * p.cache.stride_block +
+                             static_cast<int64_t>(pos & (block_size - 1)) * p.cache.stride_token + head_offset;
+        const int64_t first = slot & ~int64_t(15);
+        const int64_t chunk_at = first + 16 * copy_chunk;
+        // Whole 16-byte chunks inside the view only (span_bytes is a multiple of 16, host-checked).
+        if (copy_chunk < C::kChunks && chunk_at + 16 <= p.cache.span_bytes) {
+          cp_async_16(ring + stage * C::kStepBytes + row * C::kRowBytes + 16 * copy_chunk, p.cache.data + chunk_at);
+        }
+        if (copy_chunk == 0) stage_rows[stage * C::kStepTokens + row] = static_cast<int>(slot & 15);
+      } else if (copy_chunk == 0) {
+        stage_rows[stage * C::kStepTokens + row] = -1;
       }
-      if (copy_chunk == 0) stage_rows[stage * kTokenTile + copy_row] = static_cast<int>(slot & 15);
-    } else if (copy_chunk == 0) {
-      stage_rows[stage * kTokenTile + copy_row] = -1;
     }
     cp_async_commit();
   };
 
-  // Dequantizes the tile in ring stage `stage` into k_tile, v_tile and scalars (thread t: row t / 16,
-  // dims [(t % 16) * kDimsPerThread, +kDimsPerThread)).
+  // Dequantizes row `row` of the step in ring stage `stage` into k_tile, v_tile and row_scalars
+  // (this thread: dims [part * kDimsPerThread, +kDimsPerThread)).
   const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
   const uint32_t lane_bytes = lane * 4u;
-  auto dequantize_tile = [&](int stage) {
-    const int row = copy_row, part = copy_chunk;
-    const int at = stage_rows[stage * kTokenTile + row];
+  auto dequantize_row = [&](int stage, int row, int part) {
+    const int at = stage_rows[stage * C::kStepTokens + row];
     __half* k_out = k_tile + row * C::kTileStride;
     __half* v_out = v_tile + row * C::kTileStride;
     const int dim0 = part * C::kDimsPerThread;
@@ -164,7 +181,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     uint32_t kh[C::kDimsPerThread / 2] = {}, vh[C::kDimsPerThread / 2] = {};
     float norm = 0.0f, scale = 0.0f, zero = 0.0f;
     if (at >= 0) {
-      const uint8_t* slot = ring + stage * C::kStageBytes + row * C::kRowBytes + at;
+      const uint8_t* slot = ring + stage * C::kStepBytes + row * C::kRowBytes + at;
       // This thread's indices start at bit dim0 * bits: a whole byte except for 3-bit codes at
       // D = 64 (12 bits per thread), where odd parts start mid-byte.
       constexpr bool kKeyBytes = (C::kDimsPerThread * C::KB) % 8 == 0;
@@ -202,12 +219,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       scale = load_half(slot + C::kLayout.value_scale_offset);
       zero = load_half(slot + C::kLayout.value_zero_offset);
     }
-    if (part == 0) {
-      scalars[row] = norm;
-      scalars[kTokenTile + row] = scale;
-      scalars[2 * kTokenTile + row] = zero;
-      scalars[3 * kTokenTile + row] = at < 0 ? 0.0f : 1.0f;
-    }
+    if (part == 0) row_scalars[row] = make_float4(norm, scale, zero, at < 0 ? 0.0f : 1.0f);
     // One 16-byte (D = 128) or 8-byte (D = 64) store per tile row piece.
     using Piece = std::conditional_t<C::kDimsPerThread == 8, uint4, uint2>;
     *reinterpret_cast<Piece*>(k_out + dim0) = *reinterpret_cast<const Piece*>(kh);
@@ -219,50 +231,79 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  int next_block = tile_block(C::kStages - 1);  // block id of the next tile to issue, one load ahead
+  // A warp whose 8 columns are all past the chunk's (short chunks) only copies and dequantizes.
+  const bool warp_has_columns = my_col0 < num_columns;
+  StepBlocks next_blocks;  // block ids of the next step to issue, one load ahead
+  step_blocks(C::kStages - 1, next_blocks);
 #pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) issue_tile(s, tile_block(s));
+  for (int st = 0; st < C::kStages - 1; ++st) {
+    StepBlocks blocks;
+    step_blocks(st, blocks);
+    issue_step(st, blocks);
+  }
   const int k_row = (lane & 7) + ((lane >> 3) & 1) * 8, k_col = (lane >> 4) * 8;  // ldmatrix addresses
   const int v_row = (lane & 7) + ((lane >> 4) & 1) * 8, v_col = ((lane >> 3) & 1) * 8;
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int block = next_block;
-    next_block = tile_block(tile + C::kStages);
-    issue_tile(tile + C::kStages - 1, block);  // into the stage tile - 1 used (dequantized before barrier B)
+  for (int step = 0; step < num_steps; ++step) {
+    StepBlocks blocks;
+#pragma unroll
+    for (int t = 0; t < C::kStepTiles; ++t) blocks[t] = next_blocks[t];
+    step_blocks(step + C::kStages, next_blocks);
+    issue_step(step + C::kStages - 1, blocks);  // into the stage step - 1 used (dequantized before barrier B)
     cp_async_wait<C::kStages - 1>();
-    __syncthreads();  // (A) this tile's copies are visible, and every warp is done with the last tile
-    dequantize_tile(tile % C::kStages);
-    __syncthreads();  // (B) the dequantized tile is visible
+    __syncthreads();  // (A) this step's copies are visible, and every warp is done with the last step
+#pragma unroll 2
+    for (int t = 0; t < C::kStepTiles; ++t) dequantize_row(step % C::kStages, t * kTokenTile + copy_row, copy_chunk);
+    __syncthreads();  // (B) the dequantized step is visible
+    if (!warp_has_columns) continue;  // warp-uniform
 
-    float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // S^T = K~ Q^T: one independent MMA chain per tile of the step
+    float sc[C::kStepTiles][4];
+#pragma unroll
+    for (int t = 0; t < C::kStepTiles; ++t) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
-      uint32_t a[4];
-      ldmatrix_x4(a, k_tile + k_row * C::kTileStride + 16 * j + k_col);
-      mma_16816(j % 2 == 0 ? sc_even : sc_odd, a[0], a[1], a[2], a[3], qf[j][0], qf[j][1]);
+#pragma unroll
+      for (int t = 0; t < C::kStepTiles; ++t) {
+        uint32_t a[4];
+        ldmatrix_x4(a, k_tile + (t * kTokenTile + k_row) * C::kTileStride + 16 * j + k_col);
+        mma_16816(sc[t], a[0], a[1], a[2], a[3], qf[j][0], qf[j][1]);
+      }
     }
-    const int pos_lo = range.begin + tile * kTokenTile + g, pos_hi = pos_lo + 8;
-    const bool valid_lo = scalars[3 * kTokenTile + g] != 0.0f, valid_hi = scalars[3 * kTokenTile + g + 8] != 0.0f;
-    const float norm_lo = scalars[g], norm_hi = scalars[g + 8];
-    const float s0 = valid_lo && pos_lo < limit0 ? (sc_even[0] + sc_odd[0]) * norm_lo : -INFINITY;
-    const float s1 = valid_lo && pos_lo < limit1 ? (sc_even[1] + sc_odd[1]) * norm_lo : -INFINITY;
-    const float s2 = valid_hi && pos_hi < limit0 ? (sc_even[2] + sc_odd[2]) * norm_hi : -INFINITY;
-    const float s3 = valid_hi && pos_hi < limit1 ? (sc_even[3] + sc_odd[3]) * norm_hi : -INFINITY;
-
-    const float s[4] = {s0, s1, s2, s3};
-    float pr[4], alpha[2];
-    online_softmax_tile(s, m, l, acc, pr, alpha);  // decode_common.cuh
-    const float p0 = pr[0], p1 = pr[1], p2 = pr[2], p3 = pr[3];
-    const float vs_lo = scalars[kTokenTile + g], vz_lo = scalars[2 * kTokenTile + g];
-    const float vs_hi = scalars[kTokenTile + g + 8], vz_hi = scalars[2 * kTokenTile + g + 8];
-    z[0] = z[0] * alpha[0] + (p0 * vz_lo + p2 * vz_hi);
-    z[1] = z[1] * alpha[1] + (p1 * vz_lo + p3 * vz_hi);
-    const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
-    const uint32_t pb1 = movmatrix_trans(pack_half2(p2 * vs_hi, p3 * vs_hi));
+    float s[C::kStepTiles][4];
+    float2 value_lo[C::kStepTiles], value_hi[C::kStepTiles];  // (scale, zero) of rows g, g + 8
+#pragma unroll
+    for (int t = 0; t < C::kStepTiles; ++t) {
+      const int pos_lo = range.begin + step * C::kStepTokens + t * kTokenTile + g, pos_hi = pos_lo + 8;
+      const float4 lo = row_scalars[t * kTokenTile + g], hi = row_scalars[t * kTokenTile + g + 8];
+      s[t][0] = lo.w != 0.0f && pos_lo < limit0 ? sc[t][0] * lo.x : -INFINITY;
+      s[t][1] = lo.w != 0.0f && pos_lo < limit1 ? sc[t][1] * lo.x : -INFINITY;
+      s[t][2] = hi.w != 0.0f && pos_hi < limit0 ? sc[t][2] * hi.x : -INFINITY;
+      s[t][3] = hi.w != 0.0f && pos_hi < limit1 ? sc[t][3] * hi.x : -INFINITY;
+      value_lo[t] = make_float2(lo.y, lo.z);
+      value_hi[t] = make_float2(hi.y, hi.z);
+    }
+    float pr[C::kStepTiles][4], alpha[2];
+    online_softmax_tiles(s, m, l, acc, pr, alpha);  // decode_common.cuh
+    float z0 = 0.0f, z1 = 0.0f;
+    uint32_t pb[C::kStepTiles][2];
+#pragma unroll
+    for (int t = 0; t < C::kStepTiles; ++t) {
+      z0 += pr[t][0] * value_lo[t].y + pr[t][2] * value_hi[t].y;
+      z1 += pr[t][1] * value_lo[t].y + pr[t][3] * value_hi[t].y;
+      pb[t][0] = movmatrix_trans(pack_half2(pr[t][0] * value_lo[t].x, pr[t][1] * value_lo[t].x));
+      pb[t][1] = movmatrix_trans(pack_half2(pr[t][2] * value_hi[t].x, pr[t][3] * value_hi[t].x));
+    }
+    z[0] = z[0] * alpha[0] + z0;
+    z[1] = z[1] * alpha[1] + z1;
+    // O^T += V^T (P * scale)^T, the step's tiles one after another on each accumulator
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, v_tile + v_row * C::kTileStride + 16 * i + v_col);
-      mma_16816(acc[i], a[0], a[1], a[2], a[3], pb0, pb1);
+#pragma unroll
+      for (int t = 0; t < C::kStepTiles; ++t) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, v_tile + (t * kTokenTile + v_row) * C::kTileStride + 16 * i + v_col);
+        mma_16816(acc[i], a[0], a[1], a[2], a[3], pb[t][0], pb[t][1]);
+      }
     }
   }
 

@@ -95,17 +95,23 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   }
 }
 
-// One 16-token tile of the online softmax for this thread's score columns 2c and 2c + 1 (scores
-// s in the mma C layout: tokens g, g + 8 x columns 2c, 2c + 1; log2 domain, masked ones -inf;
-// a column's 16 tokens live in the 8 lanes sharing c). Once the running max m settles, no score
-// of a tile exceeds it: the max is then unchanged, the rescale factors are exactly 1, and the
-// cross-lane reduction (three dependent shuffle rounds at the head of every tile's chain) is
-// skipped; a warp-uniform vote picks the path, so the results are bit-equal. Rescales acc (the
-// O^T fragments of the same columns) and l, returns the weights p and the factors alpha.
-template <int kKSteps>
-__device__ __forceinline__ void online_softmax_tile(const float (&s)[4], float (&m)[2], float (&l)[2],
-                                                    float (&acc)[kKSteps][4], float (&p)[4], float (&alpha)[2]) {
-  const float t0 = fmaxf(s[0], s[2]), t1 = fmaxf(s[1], s[3]);
+// kTiles 16-token tiles of the online softmax for this thread's score columns 2c and 2c + 1
+// (scores s[t] in the mma C layout: tokens g, g + 8 of tile t x columns 2c, 2c + 1; log2 domain,
+// masked ones -inf; a column's tokens live in the 8 lanes sharing c). Once the running max m
+// settles, no score of the tiles exceeds it: the max is then unchanged, the rescale factors are
+// exactly 1, and the cross-lane reduction (three dependent shuffle rounds at the head of the
+// chain) is skipped; a warp-uniform vote picks the path, so the results are bit-equal. Rescales
+// acc (the O^T fragments of the same columns) and l, returns the weights p and the factors alpha.
+template <int kTiles, int kKSteps>
+__device__ __forceinline__ void online_softmax_tiles(const float (&s)[kTiles][4], float (&m)[2], float (&l)[2],
+                                                     float (&acc)[kKSteps][4], float (&p)[kTiles][4],
+                                                     float (&alpha)[2]) {
+  float t0 = fmaxf(s[0][0], s[0][2]), t1 = fmaxf(s[0][1], s[0][3]);
+#pragma unroll
+  for (int t = 1; t < kTiles; ++t) {
+    t0 = fmaxf(t0, fmaxf(s[t][0], s[t][2]));
+    t1 = fmaxf(t1, fmaxf(s[t][1], s[t][3]));
+  }
   alpha[0] = alpha[1] = 1.0f;
   if (__any_sync(kFullMask, t0 > m[0] || t1 > m[1])) {
     float r0 = t0, r1 = t1;
@@ -128,12 +134,29 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[4], float (
     }
   }
   const float base0 = m[0] == -INFINITY ? 0.0f : m[0], base1 = m[1] == -INFINITY ? 0.0f : m[1];
-  p[0] = exp2_ftz(s[0] - base0);
-  p[1] = exp2_ftz(s[1] - base1);
-  p[2] = exp2_ftz(s[2] - base0);
-  p[3] = exp2_ftz(s[3] - base1);
-  l[0] = l[0] * alpha[0] + (p[0] + p[2]);
-  l[1] = l[1] * alpha[1] + (p[1] + p[3]);
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    p[t][0] = exp2_ftz(s[t][0] - base0);
+    p[t][1] = exp2_ftz(s[t][1] - base1);
+    p[t][2] = exp2_ftz(s[t][2] - base0);
+    p[t][3] = exp2_ftz(s[t][3] - base1);
+  }
+  float sum0 = p[0][0] + p[0][2], sum1 = p[0][1] + p[0][3];
+#pragma unroll
+  for (int t = 1; t < kTiles; ++t) {
+    sum0 += p[t][0] + p[t][2];
+    sum1 += p[t][1] + p[t][3];
+  }
+  l[0] = l[0] * alpha[0] + sum0;
+  l[1] = l[1] * alpha[1] + sum1;
+}
+
+// One tile (the decode kernel's step).
+template <int kKSteps>
+__device__ __forceinline__ void online_softmax_tile(const float (&s)[4], float (&m)[2], float (&l)[2],
+                                                    float (&acc)[kKSteps][4], float (&p)[4], float (&alpha)[2]) {
+  online_softmax_tiles<1, kKSteps>(reinterpret_cast<const float(&)[1][4]>(s), m, l, acc,
+                                   reinterpret_cast<float(&)[1][4]>(p), alpha);
 }
 
 // Sums of a thread's two column partials (l or z) over the 8 lanes sharing c.

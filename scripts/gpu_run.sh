@@ -64,10 +64,10 @@ if has bench; then
   echo; cat "$OUT/results.md"
 fi
 if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
-  timeout 300 "$PYTHON" benchmarks/bench_continuation.py --out "$OUT/results.md" > "$OUT/bench_continuation.log" 2>&1 || status=1
-  tail -32 "$OUT/bench_continuation.log"
-  timeout 300 "$PYTHON" benchmarks/bench_continuation.py --chunked --out "$OUT/results.md" > "$OUT/bench_continuation_chunked.log" 2>&1 || status=1
-  tail -32 "$OUT/bench_continuation_chunked.log"
+  for kernel in decode chunked; do
+    timeout 300 "$PYTHON" benchmarks/bench_continuation.py --kernel $kernel --out "$OUT/results.md" > "$OUT/bench_continuation_$kernel.log" 2>&1 || status=1
+    tail -32 "$OUT/bench_continuation_$kernel.log"
+  done
 fi
 if has speed; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's

@@ -85,13 +85,14 @@ class PagedAttentionLayer:
     @staticmethod
     def _sdpa(q, k, v, scale):
         """q [m, Hq, D] attends k, v [n, Hkv, D] (n >= m), causal aligned to the bottom right: query i
-        sees keys < n - m + i + 1. In q's dtype, so flash/efficient kernels take it on the GPU."""
+        sees keys < n - m + i + 1. In q's dtype, so the flash kernel takes it on the GPU, and with
+        enable_gqa: flash reads each KV head once for its whole group (no repeat_interleave copy of
+        the context, Hq / Hkv times its size)."""
         m, n = q.shape[0], k.shape[0]
-        group = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
-                                             k.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0).unsqueeze(0),
-                                             v.transpose(0, 1).to(q.dtype).repeat_interleave(group, 0).unsqueeze(0),
-                                             attn_mask=causal_lower_right(m, n), scale=scale)
+                                             k.transpose(0, 1).to(q.dtype).unsqueeze(0),
+                                             v.transpose(0, 1).to(q.dtype).unsqueeze(0),
+                                             attn_mask=causal_lower_right(m, n), scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def _decode(self, query, block_table, seq_lens, scale):
