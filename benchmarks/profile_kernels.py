@@ -1,10 +1,12 @@
-"""One decode or store call shape for a profiler, run a few times.
+"""One decode, varlen or store call shape for a profiler, run a few times.
 
     ncu --kernel-name regex:decode_kernel --launch-skip 1 --launch-count 1 --set full \\
         python benchmarks/profile_kernels.py decode --preset turboquant_4bit_nc
     ncu --kernel-name regex:store_kv_kernel ... python benchmarks/profile_kernels.py store
 
 decode: bench_decode's packed cache and query at --shape (default (32, 32, 8, 8192)).
+varlen: one sequence of L = --shape's L cached tokens with a --q-len token continuation chunk
+(decode_varlen; the library picks the kernel by shape unless TURBOQUANT_VARLEN_KERNEL is set).
 store: bench_store's 65,536 tokens x 8 KV heads x D=128 bf16 into a paged cache at random slots.
 """
 
@@ -29,6 +31,15 @@ def decode_step(a):
     return lambda: tq.decode(q, cache, block_table, seq_lens, a.preset, HEAD_DIM ** -0.5)
 
 
+def varlen_step(a):
+    _, hq, hkv, length = a.shape
+    cache, block_table = build_cache(a.preset, 1, hkv, length)
+    q = torch.randn(a.q_len, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, a.q_len], dtype=torch.int32, device="cuda")
+    return lambda: tq.decode_varlen(q, cache, block_table, seq_lens, starts, a.preset, HEAD_DIM ** -0.5)
+
+
 def store_step(a):
     k = torch.randn(a.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(a.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -39,14 +50,15 @@ def store_step(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kernel", choices=["decode", "store"])
+    p.add_argument("kernel", choices=["decode", "varlen", "store"])
     p.add_argument("--preset", choices=list(tq.PRESETS), default="turboquant_4bit_nc")
     p.add_argument("--shape", type=int, nargs=4, metavar=("B", "HQ", "HKV", "L"), default=(32, 32, 8, 8192),
                    help="decode shape")
     p.add_argument("--tokens", type=int, default=65536, help="store tokens")
+    p.add_argument("--q-len", type=int, default=128, help="varlen: query tokens of the chunk")
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
-    step = decode_step(a) if a.kernel == "decode" else store_step(a)
+    step = {"decode": decode_step, "varlen": varlen_step, "store": store_step}[a.kernel](a)
     for _ in range(a.steps):
         step()
     torch.cuda.synchronize()

@@ -498,16 +498,23 @@ static bool use_chunked_varlen(const DecodeParams& p) {
   return static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
 }
 
+// Splits fill one wave with the CTAs that have work: for varlen queries the grid's empty
+// alignment chunks (varlen_query_chunks) are left out of the count, or a single long chunk would
+// get about half the splits it can use (H200, 1 x 128 tokens at L = 32k: 192 of 264 CTA slots busy).
 int decode_default_num_splits(const DecodeParams& p) {
-  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (64 KB of shared memory, <= 128 registers)
-    return std::min(default_num_splits(decode_chunked_query_chunks(p), p.cache.num_kv_heads,
-                                       p.max_blocks_per_seq * p.cache.block_size, device_sm_count() * 2),
-                    128);
+  const int max_context = p.max_blocks_per_seq * p.cache.block_size;
+  const int group = p.num_q_heads / p.cache.num_kv_heads;
+  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory and 128 registers)
+    const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
+    return std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), 128);
   }
   int per_sm = 1;
   visit_decode_config(p, ResidentCtas{&per_sm});
-  const int splits = default_num_splits(query_chunks_of(p), p.cache.num_kv_heads * head_chunks_of(p),
-                                        p.max_blocks_per_seq * p.cache.block_size, device_sm_count() * per_sm);
+  const int busy = p.query_start_loc == nullptr
+                       ? p.batch
+                       : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
+  const int splits = default_num_splits(busy, p.cache.num_kv_heads * head_chunks_of(p), max_context,
+                                        device_sm_count() * per_sm);
   return std::min(splits, 128);
 }
 

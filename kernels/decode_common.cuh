@@ -81,8 +81,11 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   }
   __syncthreads();
   if constexpr (kLloydMax) {
+    // Unused columns are zeros and stay zeros: rotate the used ones only (a decode at GQA 4 uses
+    // 4 of 8, a short chunk few of 64).
+    const int used = columns.count() < kColumns ? columns.count() : kColumns;
     for (int h = 1; h < D; h <<= 1) {
-      for (int t = threadIdx.x; t < kColumns * (D / 2); t += kDecodeThreads) {
+      for (int t = threadIdx.x; t < used * (D / 2); t += kDecodeThreads) {
         const int row = t / (D / 2), k = t % (D / 2);
         const int j = (k / h) * 2 * h + (k % h);
         float* q_row = qs + row * D;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store probe diagnose sanitize
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose sanitize
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
@@ -75,12 +75,12 @@ if has speed; then  # context/batch sweep, plots and section in benchmarks/RESUL
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" ${COMMIT:+--commit "$COMMIT"} > "$OUT/speed.log" 2>&1 || status=1
   tail -40 "$OUT/RESULTS.md"
 fi
-# Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX WHICH
-# (WHICH: decode or store, the argument of benchmarks/profile_kernels.py)
+# Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX ARGS...
+# (ARGS: those of benchmarks/profile_kernels.py, e.g. decode, store, varlen --q-len 16)
 ncu_profile() {
-  local name=$1 kernel=$2 which=$3
+  local name=$1 kernel=$2; shift 2
   timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
-    --set full --import-source yes -o "$OUT/$name" -f "$PYTHON" benchmarks/profile_kernels.py "$which" > "$OUT/ncu_run_$name.log" 2>&1 || status=1
+    --set full --import-source yes -o "$OUT/$name" -f "$PYTHON" benchmarks/profile_kernels.py "$@" > "$OUT/ncu_run_$name.log" 2>&1 || status=1
   ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$name.csv" 2>&1
   echo "== ncu $name"
@@ -88,6 +88,10 @@ ncu_profile() {
 }
 if has profile; then ncu_profile decode_profile decode_kernel decode; fi
 if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
+if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
+  ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
+  ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
+fi
 echo "== done in $(( $(date +%s) - start )) s"
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
 logs=$(cd "$OUT" && ls *.log *.txt *.csv 2>/dev/null)

@@ -55,6 +55,26 @@ TEST(QueryChunks, GridServesEveryRowOnceWithItsPosition) {
   }
 }
 
+TEST(QueryChunks, BusyChunkEstimateNeverExceedsTheChunksThatHoldTokens) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int batch = 1 + static_cast<int>(rng() % 9);
+    const int t = trial % 2 == 0 ? varlen_tokens_per_cta(1 + static_cast<int>(rng() % 8))
+                                 : chunked_tokens_per_cta(1 + static_cast<int>(rng() % 8));
+    std::vector<int32_t> starts{0};
+    for (int b = 0; b < batch; ++b) starts.push_back(starts.back() + 1 + static_cast<int>(rng() % 130));
+    const int total_q = starts.back();
+    int busy = 0;
+    for (int chunk = 0; chunk < varlen_query_chunks(total_q, batch, t); ++chunk) {
+      busy += locate_query_chunk(starts.data(), batch, total_q, t, chunk).tokens > 0;
+    }
+    const int estimate = varlen_busy_chunks(total_q, batch, t);
+    EXPECT_LE(estimate, busy);  // never more splits than the busy chunks can use
+    EXPECT_GE(estimate, (total_q + t - 1) / t);
+    if (batch == 1) EXPECT_EQ(estimate, busy);  // one sequence: exact
+  }
+}
+
 TEST(QueryChunks, PlainDecodeIsOneTokenPerSequence) {
   const std::vector<int32_t> starts{0, 1, 2, 3};
   for (int chunk = 0; chunk < varlen_query_chunks(3, 3, 8); ++chunk) {
