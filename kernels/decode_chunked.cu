@@ -3,20 +3,20 @@
 //
 // The decode kernel (decode.cu) gives each warp its own tiles and dequantizes them into MMA
 // fragments in registers; its 8 MMA columns serve 8 / group query tokens. Here the 8 warps of a
-// CTA share one stream of 16-token tiles instead and each warp owns 8 of the CTA's 64 query
-// columns ((token, head) pairs, 64 / group tokens per CTA). Per tile:
-//   * all threads copy the tile's 16 slots into a CTA-wide ring (cp.async, one 16-byte chunk per
-//     thread), S - 1 tiles ahead;
+// CTA share one stream of 64-token steps (4 tiles) instead and each warp owns 8 of the CTA's 64
+// query columns ((token, head) pairs, 64 / group tokens per CTA). Per step:
+//   * all threads copy the step's 64 slots into a CTA-wide ring (cp.async, one 16-byte chunk per
+//     thread and row), S - 1 steps ahead;
 //   * all threads dequantize it once into shared memory as fp16: keys in the rotated basis
 //     (pair-table lookups or FP8 conversion, natural dim order), values as their raw integer
 //     codes (within each group of 4 dims stored as d0 d2 d1 d3, undone when writing the output),
 //     plus each row's norm, value scale and zero;
 //   * each warp runs S^T = K~ Q^T and O^T += V^T (P * scale)^T for its 8 columns on tensor cores
-//     with ldmatrix fragments, and the same online softmax as the decode kernel.
-// So the dequantize work per tile is paid once per 64 columns instead of once per 8, and a
-// warp's per-tile work is 16 ldmatrix + 16 MMA plus the softmax. Head dims 64 and 128, GQA groups
-// up to 8; launch_decode uses it for varlen queries when TURBOQUANT_VARLEN_CHUNKED=1.
-// STATUS: written and compiled, not yet run on a GPU.
+//     with ldmatrix fragments (4 independent score chains), and the online softmax of the decode
+//     kernel once per step.
+// So the dequantize work per tile is paid once per 64 columns instead of once per 8. Head dims
+// 64 and 128, GQA groups up to 8. launch_decode takes it for varlen queries once the average
+// sequence fills its 64 columns (use_chunked_varlen, decode.cu; measured in RESULTS.md).
 #include <cuda_runtime.h>
 
 #include <cmath>

@@ -17,10 +17,11 @@ kind of layer, so it can be captured in a CUDA graph and replayed with new seq_l
 and slot mappings written into the captured tensors.
 
 The default threshold, 64 query tokens, is measured (benchmarks/bench_continuation.py, H200,
-Hq=32, Hkv=8, D=128, 4bit_nc, one sequence, bf16): decode_varlen serves two query tokens per CTA
-at GQA 4 (each key tile read once per pair), so it wins for short chunks and loses for long ones
-at long contexts. At L=32k: 576 vs 1035 us at 64 tokens, 1153 vs 1114 us at 128; at L=8k: 165 vs
-312 us at 64, 313 vs 331 us at 128; at L=2k it wins at every length up to 128 (103 vs 240 us).
+Hq=32, Hkv=8, D=128, 4bit_nc, one sequence, bf16): decode_varlen shares each key tile across the
+query tokens of a CTA (2 on the decode kernel, 16 on the chunked kernel it picks for long chunks
+at GQA 4), so it wins for short chunks and loses for long ones at long contexts. At L=32k: 349 vs
+355 us at 64 tokens, 640 vs 449 us at 128; at L=8k: 123 vs 130 us at 64, 199 vs 153 at 128; at
+L=2k it wins at every length up to 128 (82 vs 160 us).
 Tables in benchmarks/RESULTS.md.
 """
 
