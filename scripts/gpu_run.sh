@@ -3,7 +3,8 @@
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose sanitize
 #   bash scripts/gpu_run.sh all               = tests bench
-# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; COMMIT=<hash>
+# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; DECODE_SHAPE="B HQ HKV L"
+# picks the profiled decode shape (default 32 32 8 8192); COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -86,7 +87,7 @@ ncu_profile() {
   echo "== ncu $name"
   grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per|Executed Ipc A)" "$OUT/ncu_$name.txt"
 }
-if has profile; then ncu_profile decode_profile decode_kernel decode; fi
+if has profile; then ncu_profile decode_profile decode_kernel decode ${DECODE_SHAPE:+--shape $DECODE_SHAPE}; fi
 if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
