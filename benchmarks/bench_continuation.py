@@ -48,6 +48,8 @@ def main():
     a = p.parse_args()
     if a.kernel != "auto":  # read by the library at its first varlen launch
         os.environ["TURBOQUANT_VARLEN_KERNEL"] = a.kernel
+    else:  # an inherited override would mislabel the run
+        os.environ.pop("TURBOQUANT_VARLEN_KERNEL", None)
     kernel = {"auto": "kernel the library picks by shape", "decode": "decode kernel (8 columns per CTA)",
               "chunked": "chunked kernel (64 columns per CTA)"}[a.kernel]
     scale = HEAD_DIM ** -0.5

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -47,7 +48,7 @@ constexpr int kMaxSplits = 256;
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
   using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_>;
-  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kStageBytes;
+  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kTileBytes;
   static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
@@ -57,7 +58,7 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kKSteps = D / 16;
   static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * 32;
   // Shared memory: staging ring (reused for the query rotation and the final warp merge).
-  static constexpr int kRingBytes = kWarps * kStages * kStageBytes + 16;
+  static constexpr int kRingBytes = kWarps * kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kHeads * D * 4;
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 3) * 4;
   static constexpr int kScratchBytes =
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
   const int my_tiles = warp < num_tiles ? cdiv(num_tiles - warp, kWarps) : 0;
-  uint8_t* ring = scratch + warp * C::kStages * C::kStageBytes;
+  uint8_t* ring = scratch + warp * C::kStages * C::kTileBytes;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const int64_t first = slot & ~int64_t(15);
     if (row_ok) {
       const uint8_t* src = p.cache.data + first + 16 * half;
-      uint8_t* dst = ring_row + dst_stage * C::kStageBytes;
+      uint8_t* dst = ring_row + dst_stage * C::kTileBytes;
       if (first <= all_chunks_limit) {
 #pragma unroll
         for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     cp_async_wait<C::kStages - 1>();  // this lane's copies of tile `it` have landed
     __syncwarp();  // ... and every lane's
 
-    const uint8_t* rows = ring + stage * C::kStageBytes;
+    const uint8_t* rows = ring + stage * C::kTileBytes;
     // Row r's code; r is g, g + 8, 2c (+1) or 2c + 8 (+9), so the word is known at compile time.
     auto row_code = [&](int r, bool upper) { return ((upper ? tile_codes.y : tile_codes.x) >> (4 * (r & 7))) & 15u; };
     auto slot_ptr = [&](int r, bool upper) { return rows + r * C::kRowBytes + 2 * (row_code(r, upper) & 7u); };
@@ -479,19 +480,25 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 }  // namespace
 
 // Which kernel serves varlen queries. The chunked kernel (decode_chunked.cu) shares each
-// dequantized tile across 64 query columns but pays its dequantize and two barriers per tile even
-// for a few columns; the decode kernel's 8 columns win for decode-like rows. Measured crossover
-// (H200, GQA 4, benchmarks/RESULTS.md): the chunked kernel wins once the average sequence brings
-// enough (token, head) columns to fill its 64, i.e. total_q * group >= 64 * batch. The host sees
-// only shapes, so the choice is CUDA-graph safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked forces
-// one (tests and benchmarks of each kernel); read once per process.
+// dequantized tile across 64 query columns but pays its dequantize, two barriers per 64-token
+// step and a 64-column query set-up even for a few columns; the decode kernel's 8 columns win for
+// decode-like rows. Rule: the chunked kernel once the average sequence brings enough (token, head)
+// columns to fill its 64, total_q * group >= 64 * batch. Measured (H200, GQA 4, one sequence,
+// benchmarks/RESULTS.md) it picks the faster kernel or one within 1 us, except at L = 2k with
+// 16-64 tokens (chunked 5-11 us slower) and L = 32k with 8 tokens (chunked 4 us faster). The
+// host sees only shapes, so the choice is CUDA-graph safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked
+// forces one where the chunked kernel supports the shape (tests and benchmarks of each kernel;
+// read once per process, other values warn).
 static bool use_chunked_varlen(const DecodeParams& p) {
   if (p.query_start_loc == nullptr || !decode_chunked_supports(p)) return false;
   static const int forced = [] {  // 0: by shape, 1: decode kernel, 2: chunked kernel
     const char* v = std::getenv("TURBOQUANT_VARLEN_KERNEL");
     if (v == nullptr) return 0;
     const std::string kernel(v);
-    return kernel == "decode" ? 1 : kernel == "chunked" ? 2 : 0;
+    if (kernel == "decode") return 1;
+    if (kernel == "chunked") return 2;
+    std::fprintf(stderr, "turboquant: TURBOQUANT_VARLEN_KERNEL=%s ignored (expected decode or chunked)\n", v);
+    return 0;
   }();
   if (forced != 0) return forced == 2;
   const int64_t group = p.num_q_heads / p.cache.num_kv_heads;
@@ -499,8 +506,9 @@ static bool use_chunked_varlen(const DecodeParams& p) {
 }
 
 // Splits fill one wave with the CTAs that have work: for varlen queries the grid's empty
-// alignment chunks (varlen_query_chunks) are left out of the count, or a single long chunk would
-// get about half the splits it can use (H200, 1 x 128 tokens at L = 32k: 192 of 264 CTA slots busy).
+// alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
+// too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
+// 128 tokens 3 instead of 4).
 int decode_default_num_splits(const DecodeParams& p) {
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   const int group = p.num_q_heads / p.cache.num_kv_heads;

@@ -33,35 +33,45 @@
 namespace turboquant {
 namespace {
 
+// What the scores and the value accumulation need of each dequantized row (16 bytes: one
+// shared-memory vector load).
+struct __align__(16) RowScalars {
+  float norm;   // key norm (1 for FP8 keys)
+  float scale;  // value scale
+  float zero;   // value zero
+  float valid;  // 0 for masked rows (past the range, bad block id)
+};
+
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct ChunkedConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
   using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_>;
-  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kStageBytes;
+  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kTileBytes;
   // A loop step is kStepTiles 16-token tiles between one pair of barriers: the barriers, the
   // softmax max reduction and the accumulator rescale are paid once per 64 tokens, and a warp
   // runs kStepTiles independent score MMA chains.
   static constexpr int kStepTiles = 4;
   static constexpr int kStepTokens = kStepTiles * kTokenTile;
   static constexpr int kStages = 3;  // steps in flight + 1
-  static constexpr int kStepBytes = kStepTiles * kStageBytes;
+  static constexpr int kStepBytes = kStepTiles * kTileBytes;
   static constexpr int kDimsPerThread = D / 16;  // 16 threads per token row in the dequantize
   static constexpr int kTileStride = D + 8;      // halves per dequantized row: ldmatrix without bank conflicts
-  static constexpr int kTileHalves = kStepTokens * kTileStride;
+  static constexpr int kStepHalves = kStepTokens * kTileStride;
   static constexpr int kPairs = kFp8Key ? 0 : 1 << (2 * KB);
   static constexpr int kPairTableWords = kPairs * 32;
-  // Shared memory: [ring | K tile, V tile | row scalars | stage metadata], aliased by the query
-  // rotation at set-up; then the pair table.
+  // Shared memory: [ring | K step, V step (dequantized) | row scalars | stage metadata], aliased
+  // by the query rotation at set-up; then the pair table.
   static constexpr int kRingBytes = kStages * kStepBytes;
-  static constexpr int kTilesBytes = 2 * kTileHalves * 2;
-  static constexpr int kRowScalarBytes = kStepTokens * 16;  // float4 (norm, scale, zero, valid) per row
+  static constexpr int kStepTileBytes = 2 * kStepHalves * 2;
+  static constexpr int kRowScalarBytes = kStepTokens * 16;  // RowScalars per row
   static constexpr int kStageMetaBytes = kStages * kStepTokens * 4;
-  static constexpr int kLoopBytes = kRingBytes + kTilesBytes + kRowScalarBytes + kStageMetaBytes;
+  static constexpr int kLoopBytes = kRingBytes + kStepTileBytes + kRowScalarBytes + kStageMetaBytes;
   static constexpr int kQueryBytes = kChunkedColumns * D * 4;
   static constexpr int kScratchBytes = cdiv(kLoopBytes > kQueryBytes ? kLoopBytes : kQueryBytes, 16) * 16;
   static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
   static_assert(kChunks <= 16, "one 16-byte chunk per thread and row");
   static_assert(D == 64 || D == 128, "head dims of the chunked kernel");
-  static_assert(2 * kSmemBytes <= 227 * 1024, "two CTAs per SM");
+  // Two CTAs per SM (the split heuristic assumes it): 228 KB per SM, 1 KB of it reserved per CTA.
+  static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs per SM");
 };
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -87,10 +97,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   constexpr int D = C::D;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* ring = smem;
-  __half* k_tile = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [kStepTokens][kTileStride]
-  __half* v_tile = k_tile + C::kTileHalves;
-  float4* row_scalars = reinterpret_cast<float4*>(smem + C::kRingBytes + C::kTilesBytes);  // [kStepTokens]
-  int* stage_rows = reinterpret_cast<int*>(smem + C::kRingBytes + C::kTilesBytes + C::kRowScalarBytes);  // [S][kStepTokens]
+  __half* k_step = reinterpret_cast<__half*>(smem + C::kRingBytes);  // [kStepTokens][kTileStride]
+  __half* v_step = k_step + C::kStepHalves;
+  RowScalars* row_scalars = reinterpret_cast<RowScalars*>(smem + C::kRingBytes + C::kStepTileBytes);  // [kStepTokens]
+  int* stage_rows = reinterpret_cast<int*>(smem + C::kRingBytes + C::kStepTileBytes + C::kRowScalarBytes);  // [S][kStepTokens]
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -143,7 +153,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     }
   };
   // Issues step `step` (its tiles' block ids `blocks`) into ring stage step % S; thread (row,
-  // chunk 0) records each of its rows' byte offset in the stage, or -1 when the row is masked.
+  // chunk 0) records where each of its rows' slot starts inside the row's first staged 16-byte
+  // chunk (slot & 15), or -1 when the row is masked.
   auto issue_step = [&](int step, const StepBlocks& blocks) {
     const int stage = step % C::kStages;
 #pragma unroll
@@ -168,14 +179,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     cp_async_commit();
   };
 
-  // Dequantizes row `row` of the step in ring stage `stage` into k_tile, v_tile and row_scalars
+  // Dequantizes row `row` of the step in ring stage `stage` into k_step, v_step and row_scalars
   // (this thread: dims [part * kDimsPerThread, +kDimsPerThread)).
   const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
   const uint32_t lane_bytes = lane * 4u;
   auto dequantize_row = [&](int stage, int row, int part) {
     const int at = stage_rows[stage * C::kStepTokens + row];
-    __half* k_out = k_tile + row * C::kTileStride;
-    __half* v_out = v_tile + row * C::kTileStride;
+    __half* k_out = k_step + row * C::kTileStride;
+    __half* v_out = v_step + row * C::kTileStride;
     const int dim0 = part * C::kDimsPerThread;
     // A masked row gets zeros everywhere (its scores are masked; zeros keep NaN out of the MMA).
     uint32_t kh[C::kDimsPerThread / 2] = {}, vh[C::kDimsPerThread / 2] = {};
@@ -219,7 +230,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       scale = load_half(slot + C::kLayout.value_scale_offset);
       zero = load_half(slot + C::kLayout.value_zero_offset);
     }
-    if (part == 0) row_scalars[row] = make_float4(norm, scale, zero, at < 0 ? 0.0f : 1.0f);
+    if (part == 0) row_scalars[row] = RowScalars{norm, scale, zero, at < 0 ? 0.0f : 1.0f};
     // One 16-byte (D = 128) or 8-byte (D = 64) store per tile row piece.
     using Piece = std::conditional_t<C::kDimsPerThread == 8, uint4, uint2>;
     *reinterpret_cast<Piece*>(k_out + dim0) = *reinterpret_cast<const Piece*>(kh);
@@ -248,7 +259,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 #pragma unroll
     for (int t = 0; t < C::kStepTiles; ++t) blocks[t] = next_blocks[t];
     step_blocks(step + C::kStages, next_blocks);
-    issue_step(step + C::kStages - 1, blocks);  // into the stage step - 1 used (dequantized before barrier B)
+    // Into the stage step - 1 used, dequantized before the previous iteration's barrier B.
+    issue_step(step + C::kStages - 1, blocks);
     cp_async_wait<C::kStages - 1>();
     __syncthreads();  // (A) this step's copies are visible, and every warp is done with the last step
 #pragma unroll 2
@@ -265,22 +277,25 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 #pragma unroll
       for (int t = 0; t < C::kStepTiles; ++t) {
         uint32_t a[4];
-        ldmatrix_x4(a, k_tile + (t * kTokenTile + k_row) * C::kTileStride + 16 * j + k_col);
+        ldmatrix_x4(a, k_step + (t * kTokenTile + k_row) * C::kTileStride + 16 * j + k_col);
         mma_16816(sc[t], a[0], a[1], a[2], a[3], qf[j][0], qf[j][1]);
       }
     }
     float s[C::kStepTiles][4];
-    float2 value_lo[C::kStepTiles], value_hi[C::kStepTiles];  // (scale, zero) of rows g, g + 8
+    // Value scale and zero of rows g (lo) and g + 8 (hi) of each tile
+    float scale_lo[C::kStepTiles], zero_lo[C::kStepTiles], scale_hi[C::kStepTiles], zero_hi[C::kStepTiles];
 #pragma unroll
     for (int t = 0; t < C::kStepTiles; ++t) {
       const int pos_lo = range.begin + step * C::kStepTokens + t * kTokenTile + g, pos_hi = pos_lo + 8;
-      const float4 lo = row_scalars[t * kTokenTile + g], hi = row_scalars[t * kTokenTile + g + 8];
-      s[t][0] = lo.w != 0.0f && pos_lo < limit0 ? sc[t][0] * lo.x : -INFINITY;
-      s[t][1] = lo.w != 0.0f && pos_lo < limit1 ? sc[t][1] * lo.x : -INFINITY;
-      s[t][2] = hi.w != 0.0f && pos_hi < limit0 ? sc[t][2] * hi.x : -INFINITY;
-      s[t][3] = hi.w != 0.0f && pos_hi < limit1 ? sc[t][3] * hi.x : -INFINITY;
-      value_lo[t] = make_float2(lo.y, lo.z);
-      value_hi[t] = make_float2(hi.y, hi.z);
+      const RowScalars lo = row_scalars[t * kTokenTile + g], hi = row_scalars[t * kTokenTile + g + 8];
+      s[t][0] = lo.valid != 0.0f && pos_lo < limit0 ? sc[t][0] * lo.norm : -INFINITY;
+      s[t][1] = lo.valid != 0.0f && pos_lo < limit1 ? sc[t][1] * lo.norm : -INFINITY;
+      s[t][2] = hi.valid != 0.0f && pos_hi < limit0 ? sc[t][2] * hi.norm : -INFINITY;
+      s[t][3] = hi.valid != 0.0f && pos_hi < limit1 ? sc[t][3] * hi.norm : -INFINITY;
+      scale_lo[t] = lo.scale;
+      zero_lo[t] = lo.zero;
+      scale_hi[t] = hi.scale;
+      zero_hi[t] = hi.zero;
     }
     float pr[C::kStepTiles][4], alpha[2];
     online_softmax_tiles(s, m, l, acc, pr, alpha);  // decode_common.cuh
@@ -288,10 +303,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     uint32_t pb[C::kStepTiles][2];
 #pragma unroll
     for (int t = 0; t < C::kStepTiles; ++t) {
-      z0 += pr[t][0] * value_lo[t].y + pr[t][2] * value_hi[t].y;
-      z1 += pr[t][1] * value_lo[t].y + pr[t][3] * value_hi[t].y;
-      pb[t][0] = movmatrix_trans(pack_half2(pr[t][0] * value_lo[t].x, pr[t][1] * value_lo[t].x));
-      pb[t][1] = movmatrix_trans(pack_half2(pr[t][2] * value_hi[t].x, pr[t][3] * value_hi[t].x));
+      z0 += pr[t][0] * zero_lo[t] + pr[t][2] * zero_hi[t];
+      z1 += pr[t][1] * zero_lo[t] + pr[t][3] * zero_hi[t];
+      pb[t][0] = movmatrix_trans(pack_half2(pr[t][0] * scale_lo[t], pr[t][1] * scale_lo[t]));
+      pb[t][1] = movmatrix_trans(pack_half2(pr[t][2] * scale_hi[t], pr[t][3] * scale_hi[t]));
     }
     z[0] = z[0] * alpha[0] + z0;
     z[1] = z[1] * alpha[1] + z1;
@@ -301,7 +316,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 #pragma unroll
       for (int t = 0; t < C::kStepTiles; ++t) {
         uint32_t a[4];
-        ldmatrix_x4_trans(a, v_tile + (t * kTokenTile + v_row) * C::kTileStride + 16 * i + v_col);
+        ldmatrix_x4_trans(a, v_step + (t * kTokenTile + v_row) * C::kTileStride + 16 * i + v_col);
         mma_16816(acc[i], a[0], a[1], a[2], a[3], pb[t][0], pb[t][1]);
       }
     }

@@ -29,7 +29,7 @@ struct StagedSlot {
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
   static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
-  static constexpr int kStageBytes = 16 * kRowBytes;  // one 16-token tile
+  static constexpr int kTileBytes = 16 * kRowBytes;  // one 16-token tile
 };
 
 namespace device {

@@ -35,10 +35,12 @@ TQ_HD int varlen_query_chunks(int total_q, int batch, int tokens_per_cta) {
   return total_q / tokens_per_cta + batch;
 }
 
-// Chunks of a varlen launch that hold query tokens, as far as shapes tell: at least
-// ceil(total_q / T), and at least one per sequence when no sequence is empty. The rest of the
-// grid (the alignment slack of varlen_query_chunks) exits at once, so the split heuristic sizes
-// the launch by this count, not by the grid.
+// Chunks of a varlen launch that hold query tokens, as far as shapes tell: max(ceil(total_q / T),
+// min(batch, total_q)). A lower bound of the busy chunks when every sequence has a token and every
+// row belongs to a sequence (GTest); empty sequences or rows past the last sequence can make it
+// larger. The rest of the grid (the alignment slack of varlen_query_chunks) exits at once, so the
+// split heuristic sizes the launch by this count, not by the grid; an undercount only overfills
+// the wave.
 TQ_HD int varlen_busy_chunks(int total_q, int batch, int tokens_per_cta) {
   const int by_tokens = (total_q + tokens_per_cta - 1) / tokens_per_cta;
   const int by_sequences = batch < total_q ? batch : total_q;

@@ -69,7 +69,7 @@ TEST(QueryChunks, BusyChunkEstimateNeverExceedsTheChunksThatHoldTokens) {
       busy += locate_query_chunk(starts.data(), batch, total_q, t, chunk).tokens > 0;
     }
     const int estimate = varlen_busy_chunks(total_q, batch, t);
-    EXPECT_LE(estimate, busy);  // never more splits than the busy chunks can use
+    EXPECT_LE(estimate, busy);  // never fewer splits than one wave of the busy chunks needs
     EXPECT_GE(estimate, (total_q + t - 1) / t);
     if (batch == 1) EXPECT_EQ(estimate, busy);  // one sequence: exact
   }
