@@ -510,18 +510,14 @@ static bool use_chunked_varlen(const DecodeParams& p) {
 // too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
 // 128 tokens 3 instead of 4).
 int decode_default_num_splits(const DecodeParams& p) {
-  const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   const int group = p.num_q_heads / p.cache.num_kv_heads;
-  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory and 128 registers)
-    const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
-    return std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), 128);
-  }
-  int per_sm = 1;
-  visit_decode_config(p, ResidentCtas{&per_sm});
-  const int busy = p.query_start_loc == nullptr
-                       ? p.batch
-                       : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
-  const int splits = default_num_splits(busy, p.cache.num_kv_heads * head_chunks_of(p), max_context,
+  const bool chunked = use_chunked_varlen(p);
+  int per_sm = chunked ? 2 : 1;  // the chunked kernel: 2 CTAs per SM (shared memory, 128 registers)
+  if (!chunked) visit_decode_config(p, ResidentCtas{&per_sm});
+  const int tokens_per_cta = chunked ? chunked_tokens_per_cta(group) : varlen_tokens_per_cta(group);
+  const int busy = p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, tokens_per_cta);
+  const int ctas_per_chunk = p.cache.num_kv_heads * (chunked ? 1 : head_chunks_of(p));
+  const int splits = default_num_splits(busy, ctas_per_chunk, p.max_blocks_per_seq * p.cache.block_size,
                                         device_sm_count() * per_sm);
   return std::min(splits, 128);
 }

@@ -350,6 +350,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   }
 }
 
+// Grid z: the varlen chunks of 64 / group query tokens.
+int decode_chunked_query_chunks(const DecodeParams& p) {
+  return varlen_query_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
+}
+
 struct LaunchChunked {
   const DecodeParams& p;
   cudaStream_t stream;
@@ -388,10 +393,6 @@ bool decode_chunked_supports(const DecodeParams& p) {
   return p.query_start_loc != nullptr && group >= 1 && group <= 8 &&
          (p.layout.head_dim == 64 || p.layout.head_dim == 128) &&
          (p.dtype == ElementType::kHalf || p.dtype == ElementType::kBFloat16);
-}
-
-int decode_chunked_query_chunks(const DecodeParams& p) {
-  return varlen_query_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
 }
 
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream) {
