@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose sanitize
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose sanitize ab
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; DECODE_SHAPE="B HQ HKV L"
-# picks the profiled decode shape (default 32 32 8 8192); COMMIT=<hash>
+# picks the profiled decode shape (default 32 32 8 8192); AB_PATCH=<file> (step ab: a diff from a
+# base commit to this tree) rebuilds the base in a copy and times small decode shapes and chunked
+# continuation on both trees, alternating, so a change is compared within one machine; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -92,6 +94,21 @@ if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
+fi
+if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its own build
+  base=/tmp/ab_base; rm -rf "$base"; mkdir -p "$base"
+  tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
+  (cd "$base" && patch -R -p1 -s < "$OLDPWD/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
+    || { status=1; tail -20 "$OUT/ab_build.log"; }
+  for round in 1 2; do
+    for tree in . "$base"; do
+      label=$([ "$tree" = . ] && echo change || echo base)
+      (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes small --presets turboquant_4bit_nc turboquant_k8v4 \
+        --out "$OLDPWD/$OUT/ab_$label.md" && TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 "$PYTHON" benchmarks/bench_continuation.py \
+        --kernel chunked --out "$OLDPWD/$OUT/ab_$label.md") > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
+    done
+  done
+  for label in change base; do echo "== ab: $label"; grep -E "^\| (1|8) \||^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
 fi
 echo "== done in $(( $(date +%s) - start )) s"
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
