@@ -68,9 +68,34 @@ __device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], i
 template <int D, int kColumns, bool kLloydMax, int kKeyBits, typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
                                                     const QueryColumns& columns, const Codebook& codebook) {
-  for (int i = threadIdx.x; i < kColumns * D; i += kDecodeThreads) {
-    const int j = i / D;
-    qs[i] = j < columns.count() ? to_float(query[columns.row(j) * D + i % D]) : 0.0f;
+  // Warp w loads columns w, w + 8, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
+  // issued before any is used: one global round trip per batch instead of one per element group
+  // (the loop that guarded each load by its column compiled to serialized loads: 4 round trips per
+  // decode CTA, 32 per chunked CTA). Batches of 4 keep the chunked kernel's loop free of spills.
+  // Unused columns read row 0 (a launch with no query rows returns before this) and store zeros.
+  static_assert(kColumns % kDecodeWarps == 0 && D % 32 == 0, "query staging layout");
+  constexpr int kColumnsPerWarp = kColumns / kDecodeWarps, kPerLane = D / 32;
+  constexpr int kBatch = kColumnsPerWarp < 4 ? kColumnsPerWarp : 4;
+  static_assert(kColumnsPerWarp % kBatch == 0, "whole batches");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll 1
+  for (int c0 = 0; c0 < kColumnsPerWarp; c0 += kBatch) {
+    T raw[kBatch][kPerLane];
+#pragma unroll
+    for (int c = 0; c < kBatch; ++c) {
+      const int j = warp + (c0 + c) * kDecodeWarps;
+      const int64_t base = j < columns.count() ? columns.row(j) * D : 0;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) raw[c][e] = query[base + lane + 32 * e];
+    }
+#pragma unroll
+    for (int c = 0; c < kBatch; ++c) {
+      const int j = warp + (c0 + c) * kDecodeWarps;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        qs[j * D + lane + 32 * e] = j < columns.count() ? to_float(raw[c][e]) : 0.0f;
+      }
+    }
   }
   if constexpr (kLloydMax) {
     constexpr uint32_t mask = (1u << kKeyBits) - 1u;
