@@ -61,8 +61,33 @@ __device__ __forceinline__ uint32_t pair_entry_offset(const uint32_t (&w)[NW], i
   return (x & (((1u << width) - 1u) << 7)) | lane_bytes;
 }
 
+// FWHT of one vector of D = 32 * N floats held by a warp, lane l holding dims l + 32e (e < N):
+// stages h = 1 .. 16 across lanes (the partner's value by shuffle; the lower lane keeps a + b,
+// the upper a - b, each one rounding as an FFMA), then h = 32 .. in registers. The butterflies
+// and the stage order of fwht_inplace, so the same floats.
+template <int N>
+__device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const float sign = (lane & m) != 0 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = __fmaf_rn(x[e], sign, __shfl_xor_sync(kFullMask, x[e], m));
+  }
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if ((e & h) == 0) {
+        const float a = x[e], b = x[e + h];
+        x[e] = a + b;
+        x[e + h] = a - b;
+      }
+    }
+  }
+}
+
 // Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the FWHT for
-// Lloyd-Max keys (the butterflies of fwht_inplace, one row per column), plus the codebook's pair
+// Lloyd-Max keys (the butterflies of fwht_inplace), plus the codebook's pair
 // table replicated once per bank (word pair * 32 + lane) for Lloyd-Max keys of kKeyBits bits.
 // Every thread of the CTA calls it; qs and the table are visible to all when it returns.
 template <int D, int kColumns, bool kLloydMax, int kKeyBits, typename T>
@@ -77,6 +102,11 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   constexpr int kColumnsPerWarp = kColumns / kDecodeWarps, kPerLane = D / 32;
   constexpr int kBatch = kColumnsPerWarp < 4 ? kColumnsPerWarp : 4;
   static_assert(kColumnsPerWarp % kBatch == 0, "whole batches");
+  // The FWHT: in registers by each column's warp for the chunked kernel (64 columns: 7 barrier
+  // rounds of 16 butterflies per thread otherwise); in shared memory for the decode kernel's 8,
+  // whose main loop compiles 40 instructions longer per tile with the register version (its
+  // pair-table lookups lose their uniform base register; SASS, nvcc 13.0).
+  constexpr bool kWarpFwht = kColumns > kDecodeColumns;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll 1
   for (int c0 = 0; c0 < kColumnsPerWarp; c0 += kBatch) {
@@ -91,10 +121,14 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
       const int j = warp + (c0 + c) * kDecodeWarps;
+      float x[kPerLane];
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) {
-        qs[j * D + lane + 32 * e] = j < columns.count() ? to_float(raw[c][e]) : 0.0f;
+      for (int e = 0; e < kPerLane; ++e) x[e] = j < columns.count() ? to_float(raw[c][e]) : 0.0f;
+      if constexpr (kLloydMax && kWarpFwht) {
+        if (j < columns.count()) warp_fwht(x, lane);  // warp-uniform; unused columns stay zeros
       }
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) qs[j * D + lane + 32 * e] = x[e];
     }
   }
   if constexpr (kLloydMax) {
@@ -111,9 +145,8 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     }
   }
   __syncthreads();
-  if constexpr (kLloydMax) {
-    // Unused columns are zeros and stay zeros: rotate the used ones only (a decode at GQA 4 uses
-    // 4 of 8, a short chunk few of 64).
+  if constexpr (kLloydMax && !kWarpFwht) {
+    // Unused columns are zeros and stay zeros: rotate the used ones only (a decode at GQA 4 uses 4 of 8).
     const int used = columns.count() < kColumns ? columns.count() : kColumns;
     for (int h = 1; h < D; h <<= 1) {
       for (int t = threadIdx.x; t < used * (D / 2); t += kDecodeThreads) {
