@@ -96,16 +96,16 @@ if has profile_varlen; then  # the chunked varlen kernel on a long and a short c
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
 fi
 if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its own build
-  base=/tmp/ab_base; rm -rf "$base"; mkdir -p "$base"
+  base=/tmp/ab_base; rm -rf "$base"; mkdir -p "$base"; out_abs=$(cd "$OUT" && pwd); here=$(pwd)
   tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
-  (cd "$base" && patch -R -p1 -s < "$OLDPWD/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
+  (cd "$base" && patch -R -p1 -s < "$here/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
     || { status=1; tail -20 "$OUT/ab_build.log"; }
   for round in 1 2; do
     for tree in . "$base"; do
       label=$([ "$tree" = . ] && echo change || echo base)
       (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes small --presets turboquant_4bit_nc turboquant_k8v4 \
-        --out "$OLDPWD/$OUT/ab_$label.md" && TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 "$PYTHON" benchmarks/bench_continuation.py \
-        --kernel chunked --out "$OLDPWD/$OUT/ab_$label.md") > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
+        --out "$out_abs/ab_$label.md" && TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 "$PYTHON" benchmarks/bench_continuation.py \
+        --kernel chunked --out "$out_abs/ab_$label.md") > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
     done
   done
   for label in change base; do echo "== ab: $label"; grep -E "^\| (1|8) \||^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
