@@ -102,7 +102,8 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.scale = static_cast<float>(scale);
   p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : decode_default_num_splits(p);
-  TQ_CHECK(p.num_splits <= 256, "turboquant: num_splits must be at most 256, got ", p.num_splits);
+  TQ_CHECK(p.num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be at most ", kMaxDecodeSplits, ", got ",
+           p.num_splits);
   at::Tensor partial_out, partial_lse;
   if (p.num_splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);

@@ -20,8 +20,8 @@
 //   * O^T += V^T (P*scale)^T on tensor cores with the raw integer value codes as A
 //     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) q_t + sum_t p_t z_t), P transposed in
 //     registers by movmatrix.
-// Warps combine in shared memory; with several splits a merge kernel combines the per-split
-// results by log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
+// Warps combine in shared memory; with several splits the merge kernel (decode_merge.cu)
+// combines the per-split results by log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,7 +43,6 @@ namespace {
 constexpr int kWarps = kDecodeWarps;  // one pair table and one query rotation serve 8 warps
 constexpr int kThreads = kDecodeThreads;
 constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
-constexpr int kMaxSplits = 256;
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
@@ -321,6 +320,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     stage = stage == C::kStages - 1 ? 0 : stage + 1;
   }
 
+  device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
+
   // ---- combine the warps
   sum_over_column_lanes(l);
   sum_over_column_lanes(z);
@@ -370,33 +371,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       p.partial_out[(row * p.num_splits + split) * D + d] = out;
       if (d == 0) p.partial_lse[row * p.num_splits + split] = lse;
     }
-  }
-}
-
-// Combines the splits of one (sequence, query head): out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M).
-template <typename T>
-__global__ void __launch_bounds__(128) merge_splits_kernel(const DecodeParams p, const int head_dim) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float inv_total;
-  const int64_t row = blockIdx.x;  // b * num_q_heads + h
-  const float* lse = p.partial_lse + row * p.num_splits;
-  float mx = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, lse[s]);
-  for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) weight[s] = mx == -INFINITY ? 0.0f : exp2f(lse[s] - mx);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.0f;
-    for (int s = 0; s < p.num_splits; ++s) total += weight[s];
-    inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-  }
-  __syncthreads();
-  const float* part = p.partial_out + row * p.num_splits * head_dim;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      if (weight[s] != 0.0f) acc += weight[s] * part[s * head_dim + d];
-    }
-    static_cast<T*>(p.out)[row * head_dim + d] = device::from_float<T>(acc * inv_total);
   }
 }
 
@@ -522,20 +496,8 @@ int decode_default_num_splits(const DecodeParams& p) {
   return std::min(splits, 128);
 }
 
-cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream) {
-  const unsigned rows = static_cast<unsigned>(p.query_rows * p.num_q_heads);
-  switch (p.dtype) {
-    case ElementType::kHalf: merge_splits_kernel<__half><<<rows, 128, 0, stream>>>(p, p.layout.head_dim); break;
-    case ElementType::kBFloat16:
-      merge_splits_kernel<__nv_bfloat16><<<rows, 128, 0, stream>>>(p, p.layout.head_dim);
-      break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
-}
-
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
-  if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+  if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
   if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
   if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid z

@@ -322,6 +322,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     }
   }
 
+  device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
+
   // ---- this warp's 8 columns: reduce l and z over the 8 lanes sharing c, then write
   sum_over_column_lanes(l);
   sum_over_column_lanes(z);

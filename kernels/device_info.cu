@@ -12,4 +12,11 @@ int device_sm_count() {
   return sms;
 }
 
+bool device_supports_dependent_launch() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  return major >= 9;
+}
+
 }  // namespace turboquant

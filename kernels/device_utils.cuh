@@ -34,6 +34,21 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ float from_float<float>(float v) { return v; }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and for a grid launched without it).
+// A primary grid's CTAs allow the dependent grid to be scheduled once they no longer need their
+// SM to themselves; the dependent waits for the primary's completion and the visibility of its
+// writes before it reads them.
+__device__ __forceinline__ void allow_dependent_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Reductions over aligned groups of G lanes (G a power of two up to 32; G = 32 is the warp):
 // every lane of the group gets the result. All 32 lanes must call them.
 template <int G = 32>

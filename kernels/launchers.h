@@ -77,12 +77,17 @@ bool cuda_supports_head_dim(const SlotLayout& layout);
 // Multiprocessors of the current device (132 if it cannot be asked).
 int device_sm_count();
 
+// Whether kernels may be launched with programmatic dependent launch (sm_90 and newer).
+bool device_supports_dependent_launch();
+
+constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) the merge combines
+
 // Split-KV count the decode picks for these shapes on the current device.
 int decode_default_num_splits(const DecodeParams& p);
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
-// Log-sum-exp merge of a split decode's partial results into p.out (decode.cu).
+// Log-sum-exp merge of a split decode's partial results into p.out (decode_merge.cu).
 cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
 
 // Varlen queries with 64 query columns per CTA (decode_chunked.cu): each key tile dequantized

@@ -110,6 +110,21 @@ def test_decode_matches_cpu(preset, head_dim, group, num_splits):
     assert rel_err(out, ref) <= 2e-3
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + [96])
+@pytest.mark.parametrize("num_splits", [129, 256])
+def test_decode_merges_many_splits(head_dim, num_splits):
+    """The split merge past 128 splits (two log-sum-exps per merge thread) and with most splits
+    empty: 4000 tokens fill 250 of 256 splits of 16 tokens, 1 and 40 tokens fill one or three."""
+    preset = "turboquant_k8v4" if head_dim == 96 else "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([4000, 1, 40], 16, 2, head_dim, preset, seed=num_splits)
+    q = torch.randn(3, 8, head_dim).to(torch.bfloat16)
+    ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
+    _poison_allocator(q.shape, q.dtype)
+    out = tq.decode(q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), preset, head_dim ** -0.5, num_splits).cpu()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= 2e-3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_major", [False, True])

@@ -1,0 +1,145 @@
+// Log-sum-exp merge of a split decode's partial results (both decode kernels write them):
+//   out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
+//
+// One CTA per (query row, head). The merge is a few hundred kilobytes at most, so its time is
+// latency: every global load a thread needs is independent of the others and issued before the
+// first one is used (one load of the log-sum-exps per thread, then the partial vectors as float4
+// columns with the splits divided among thread groups), instead of a loop over the splits that
+// waits for each load in turn (H200, B = 1, 32 splits: the old loop cost ~8 us per decode).
+//
+// It is launched with programmatic dependent launch on sm_90: its CTAs start while the decode
+// grid finishes (each decode CTA allows it after its main loop) and wait in
+// wait_for_primary_grid() until the decode's writes are visible, so no launch gap separates them.
+#include <cuda_runtime.h>
+
+#include "device_utils.cuh"
+#include "launchers.h"
+
+namespace turboquant {
+namespace {
+
+constexpr int kMergeThreads = 128;
+constexpr int kMergeWarps = kMergeThreads / 32;
+constexpr int kMaxMergeSplits = 2 * kMergeThreads;  // two log-sum-exps per thread
+static_assert(kMaxMergeSplits >= kMaxDecodeSplits, "every split's log-sum-exp needs a thread");
+
+// Block-wide max or sum of one value per thread; every thread gets the result.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+  using namespace device;
+  v = kMax ? group_max(v) : group_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeWarps; ++w) v = kMax ? fmaxf(v, scratch[w]) : v + scratch[w];
+  __syncthreads();  // scratch is reused by the next reduction
+  return v;
+}
+
+// The explicit minimum of one CTA per SM lets ptxas use 64 registers: with the default it kept
+// to 32 and issued the partial-vector loads two at a time.
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const float* __restrict__ partial_out,
+                                                                     const float* __restrict__ partial_lse,
+                                                                     T* __restrict__ out, const int num_splits,
+                                                                     const int head_dim) {
+  __shared__ float weight[kMaxMergeSplits];
+  __shared__ float4 group_sums[kMergeThreads];
+  __shared__ float scratch[kMergeWarps];
+  const int64_t row = blockIdx.x;  // query row * num_q_heads + head
+  const int t = threadIdx.x;
+  device::wait_for_primary_grid();
+
+  // Weights of the splits: 0 for a split that saw no token (lse = -inf) or for every split of a
+  // row no CTA served.
+  const float* lse = partial_lse + row * num_splits;
+  const float lse0 = t < num_splits ? lse[t] : -INFINITY;
+  const float lse1 = t + kMergeThreads < num_splits ? lse[t + kMergeThreads] : -INFINITY;
+  const float mx = block_reduce<true>(fmaxf(lse0, lse1), scratch);
+  const float w0 = mx == -INFINITY ? 0.0f : exp2f(lse0 - mx);
+  const float w1 = mx == -INFINITY ? 0.0f : exp2f(lse1 - mx);
+  weight[t] = w0;
+  weight[t + kMergeThreads] = w1;
+  const float total = block_reduce<false>(w0 + w1, scratch);  // its barriers publish weight[]
+
+  // Thread t sums the float4 column t % columns over splits t / columns, t / columns + groups, ...
+  // (head_dim is a multiple of 4). A zero weight selects 0 rather than multiplying: the partial
+  // vector of a row no CTA served is never written.
+  const int columns = head_dim / 4, groups = kMergeThreads / columns;
+  const int column = t % columns, group = t / columns;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (group < groups) {
+    const float4* part = reinterpret_cast<const float4*>(partial_out + row * num_splits * head_dim) + column;
+    constexpr int kBatch = 8;  // loads in flight per thread before the first is used
+    for (int s0 = group; s0 < num_splits; s0 += kBatch * groups) {
+      float4 x[kBatch];
+      float w[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        // Past the last split: load the last one again (unconditional loads issue together) with weight 0.
+        const int s = s0 + k * groups;
+        x[k] = part[static_cast<int64_t>(min(s, num_splits - 1)) * columns];
+        w[k] = s < num_splits ? weight[s] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        acc.x += w[k] != 0.0f ? w[k] * x[k].x : 0.0f;
+        acc.y += w[k] != 0.0f ? w[k] * x[k].y : 0.0f;
+        acc.z += w[k] != 0.0f ? w[k] * x[k].z : 0.0f;
+        acc.w += w[k] != 0.0f ? w[k] * x[k].w : 0.0f;
+      }
+    }
+  }
+  group_sums[t] = acc;
+  __syncthreads();
+  if (t < columns) {
+    for (int k = 1; k < groups; ++k) {
+      const float4 x = group_sums[k * columns + t];
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+    T* o = out + row * head_dim + 4 * t;
+    o[0] = device::from_float<T>(acc.x * inv_total);
+    o[1] = device::from_float<T>(acc.y * inv_total);
+    o[2] = device::from_float<T>(acc.z * inv_total);
+    o[3] = device::from_float<T>(acc.w * inv_total);
+  }
+}
+
+template <typename T>
+cudaError_t launch_merge(const DecodeParams& p, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.query_rows) * p.num_q_heads));
+  config.blockDim = dim3(kMergeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute overlap[1];
+  overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  if (device_supports_dependent_launch()) {
+    config.attrs = overlap;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, merge_splits_kernel<T>, static_cast<const float*>(p.partial_out),
+                            static_cast<const float*>(p.partial_lse), static_cast<T*>(p.out), p.num_splits,
+                            p.layout.head_dim);
+}
+
+}  // namespace
+
+cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream) {
+  if (p.num_splits > kMaxMergeSplits || p.layout.head_dim % 4 != 0 || p.layout.head_dim / 4 > kMergeThreads) {
+    return cudaErrorInvalidValue;
+  }
+  switch (p.dtype) {
+    case ElementType::kHalf: return launch_merge<__half>(p, stream);
+    case ElementType::kBFloat16: return launch_merge<__nv_bfloat16>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace turboquant
