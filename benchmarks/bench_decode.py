@@ -1,7 +1,7 @@
 """Decode benchmark: turboquant decode on the packed paged cache vs torch SDPA bf16 on a dense
 cache of the same shape (best of its backends), in one process, plus the copy bandwidth.
 
-    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick] [--out results.md]
+    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab] [--out results.md]
 
 Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation
 (both for turboquant and for SDPA), so small shapes measure the kernels rather than Python and
@@ -33,6 +33,7 @@ SHAPES = {  # (B, Hq, Hkv, L)
                 (32, 32, 32, 4096), (16, 64, 8, 16384)],
     "quick": [(32, 32, 8, 8192), (16, 64, 8, 16384)],
     "small": [(1, 32, 8, 32768), (1, 32, 8, 8192), (8, 32, 8, 8192)],  # set-up/latency-bound: A/B runs
+    "ab": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (16, 64, 8, 16384)],  # A/B of loop changes
 }
 HEAD_DIM, BLOCK_SIZE = 128, 16
 

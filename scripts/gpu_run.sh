@@ -6,7 +6,9 @@
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; DECODE_SHAPE="B HQ HKV L"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH=<file> (step ab: a diff from a
 # base commit to this tree) rebuilds the base in a copy and times small decode shapes and chunked
-# continuation on both trees, alternating, so a change is compared within one machine; COMMIT=<hash>
+# continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
+# a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_ROUNDS,
+# default 2; AB_CONTINUATION=0 leaves out the continuation table); COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -100,15 +102,15 @@ if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its o
   tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
   (cd "$base" && patch -R -p1 -s < "$here/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
     || { status=1; tail -20 "$OUT/ab_build.log"; }
-  for round in 1 2; do
+  for round in $(seq "${AB_ROUNDS:-2}"); do
     for tree in . "$base"; do
       label=$([ "$tree" = . ] && echo change || echo base)
-      (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes small --presets turboquant_4bit_nc turboquant_k8v4 \
-        --out "$out_abs/ab_$label.md" && TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 "$PYTHON" benchmarks/bench_continuation.py \
-        --kernel chunked --out "$out_abs/ab_$label.md") > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
+      (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets turboquant_4bit_nc turboquant_k8v4 \
+        --out "$out_abs/ab_$label.md" && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
+        "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
     done
   done
-  for label in change base; do echo "== ab: $label"; grep -E "^\| (1|8) \||^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
+  for label in change base; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
 fi
 echo "== done in $(( $(date +%s) - start )) s"
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
