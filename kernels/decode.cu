@@ -5,11 +5,11 @@
 // columns are (query token, head) pairs (turboquant/query_chunks.h): one token per sequence in a
 // plain decode, 8 / group tokens of a chunk for varlen queries, each with its causal limit. Per
 // warp and 16-token tile:
-//   * 16-byte cp.async copies bring the tile's 16 slots (the aligned 16-byte chunks around each
-//     2-byte-aligned slot; two lanes per token row) into a per-warp shared-memory ring of
-//     kStages tiles. Block ids are loaded 32 tiles ahead, one per lane, so issuing a tile never
-//     waits on the block table; each row's offset in its first chunk travels to the consumer
-//     in registers (4 bits per row), not through shared memory;
+//   * 16-byte cp.async copies bring the tile's 16 slots (the 32-byte-aligned window around each
+//     2-byte-aligned slot; two lanes per token row, each pair's copies one L2 sector) into a
+//     per-warp shared-memory ring of kStages tiles. Block ids are loaded 32 tiles ahead, one per
+//     lane, so issuing a tile never waits on the block table; the consumer finds each row in its
+//     window from one number per tile in a register (the tile's first slot address mod 32);
 //   * S^T = K~ Q^T on tensor cores (mma m16n8k16: tokens are the M dimension, heads the N), with
 //     A fragments dequantized straight into registers: a pair of Lloyd-Max indices indexes a
 //     bank-replicated half2 table (addressed in bytes, two ALU ops per lookup), FP8 pairs use the
@@ -45,9 +45,12 @@ constexpr int kThreads = kDecodeThreads;
 constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
-struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_> {
-  using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_>;
-  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kChunks, Slot::kRowBytes, Slot::kTileBytes;
+struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
+  // 32-byte windows: a lane pair's two 16-byte copies then fall in one L2 sector (from 16-byte
+  // windows, half of them straddled two).
+  using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_, 32>;
+  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes, Slot::kChunks, Slot::kRowBytes,
+      Slot::kTileBytes;
   static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
@@ -139,18 +142,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   int64_t tile_bases = tile_base(0, load_block_id(0));
   int next_block_id = load_block_id(1);
 
-  // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the aligned
-  // 16-byte chunks around the slot. Every lane commits one cp.async group per tile (empty or
-  // not), so "all but the newest kStages - 1 groups" is always "this tile and older".
-  // Returns the tile's row codes, known to every lane: 4 bits per row (bit 3: row valid, bits
-  // 0-2: the slot's offset in its first chunk / 2), rows 0-7 in .x and 8-15 in .y. They stay in
-  // registers until the tile is consumed, so no shared-memory load heads the consumer's chain.
+  // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the 16-byte
+  // chunks from the slot's start rounded down to 32 bytes to its end. Every lane commits one
+  // cp.async group per tile (empty or not), so "all but the newest kStages - 1 groups" is always
+  // "this tile and older". Returns the tile's code, the same in every lane: its row 0's address
+  // mod 32, or -1 for a block id outside the cache. Row r of the tile then starts at
+  // (code + r * stride_token) mod 32 in its window: no per-row codes to gather, and the code
+  // stays in a register until the tile is consumed, so no shared-memory load heads the chain.
   const int r = lane & 15, half = lane >> 4;
   const int64_t row_offset = static_cast<int64_t>(r) * p.cache.stride_token;
-  // Slots whose aligned chunks all end inside the cache view copy without a per-chunk bound check.
+  // Slots whose windows end inside the cache view copy without a per-chunk bound check.
   const int64_t all_chunks_limit = p.cache.span_bytes - 16 * C::kChunks;
   uint8_t* const ring_row = ring + r * C::kRowBytes + 16 * half;
-  auto issue_tile = [&](int local_tile, int dst_stage) -> uint2 {
+  auto issue_tile = [&](int local_tile, int dst_stage) -> int {
     if ((local_tile & 31) == 0 && local_tile > 0) {  // warp-uniform: a new window of tiles
       const int window = local_tile >> 5;
       tile_bases = tile_base(window, next_block_id);
@@ -159,28 +163,32 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const int64_t base = __shfl_sync(kFullMask, tile_bases, local_tile & 31);
     const bool row_ok = base >= 0 && tile_start(local_tile) + r < range.end;  // a tile never straddles blocks
     const int64_t slot = base + row_offset;
-    const int64_t first = slot & ~int64_t(15);
+    const int64_t first = slot & ~int64_t(31);
     if (row_ok) {
       const uint8_t* src = p.cache.data + first + 16 * half;
       uint8_t* dst = ring_row + dst_stage * C::kTileBytes;
+      // Chunks past the slot's end are skipped: the last one or two of the window, depending on
+      // where in its 32 bytes the slot starts.
+      const int window_bytes = static_cast<int>(slot & 31) + C::kSlotBytes;
+      auto needed = [&](int chunk) { return 16 * chunk < C::kSlotBytes || 16 * chunk < window_bytes; };
       if (first <= all_chunks_limit) {
 #pragma unroll
         for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
-          if (half + 2 * k < C::kChunks) cp_async_16(dst + 32 * k, src + 32 * k);
+          const int chunk = half + 2 * k;
+          if (chunk < C::kChunks && needed(chunk)) cp_async_16(dst + 32 * k, src + 32 * k);
         }
       } else {
         // The host guarantees span_bytes is a multiple of 16: a chunk is wholly inside or out.
         const int chunks = static_cast<int>((p.cache.span_bytes - first) >> 4);
 #pragma unroll
         for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
-          if (half + 2 * k < chunks) cp_async_16(dst + 32 * k, src + 32 * k);
+          const int chunk = half + 2 * k;
+          if (chunk < chunks && needed(chunk)) cp_async_16(dst + 32 * k, src + 32 * k);
         }
       }
     }
     cp_async_commit();
-    const uint32_t code = row_ok ? 8u | static_cast<uint32_t>((slot & 15) >> 1) : 0u;
-    return make_uint2(__reduce_or_sync(kFullMask, lane < 8 ? code << (4 * r) : 0u),
-                      __reduce_or_sync(kFullMask, lane >= 8 && lane < 16 ? code << (4 * (r - 8)) : 0u));
+    return base >= 0 ? static_cast<int>(base & 31) : -1;
   };
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
@@ -190,22 +198,23 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  // Row codes of the tiles in flight, oldest first (register FIFO: indices fold to constants).
-  uint2 codes[C::kStages - 1];
+  // Codes of the tiles in flight, oldest first (register FIFO: indices fold to constants).
+  int codes[C::kStages - 1];
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < my_tiles) {
       codes[s] = issue_tile(s, s);
     } else {
       cp_async_commit();
-      codes[s] = make_uint2(0u, 0u);
+      codes[s] = -1;
     }
   }
+  const int stride_mod32 = static_cast<int>(p.cache.stride_token & 31);
   int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
   for (int it = 0; it < my_tiles; ++it) {
     const int next = it + C::kStages - 1;
-    const uint2 tile_codes = codes[0];
-    uint2 next_codes = make_uint2(0u, 0u);
+    const int tile_code = codes[0];
+    int next_codes = -1;
     if (next < my_tiles) next_codes = issue_tile(next, next_stage);
     else cp_async_commit();
 #pragma unroll
@@ -216,12 +225,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     __syncwarp();  // ... and every lane's
 
     const uint8_t* rows = ring + stage * C::kTileBytes;
-    // Row r's code; r is g, g + 8, 2c (+1) or 2c + 8 (+9), so the word is known at compile time.
-    auto row_code = [&](int r, bool upper) { return ((upper ? tile_codes.y : tile_codes.x) >> (4 * (r & 7))) & 15u; };
-    auto slot_ptr = [&](int r, bool upper) { return rows + r * C::kRowBytes + 2 * (row_code(r, upper) & 7u); };
-    const bool valid_lo = row_code(g, false) >= 8, valid_hi = row_code(g + 8, true) >= 8;
-    const uint8_t* slot_lo = slot_ptr(g, false);
-    const uint8_t* slot_hi = slot_ptr(g + 8, true);
+    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + ((tile_code + r * stride_mod32) & 31); };
+    const int pos_lo = tile_start(it) + g, pos_hi = pos_lo + 8;
+    const bool tile_ok = tile_code >= 0;
+    const bool valid_lo = tile_ok && pos_lo < range.end, valid_hi = tile_ok && pos_hi < range.end;
+    const uint8_t* slot_lo = slot_ptr(g);
+    const uint8_t* slot_hi = slot_ptr(g + 8);
 
     // S^T = K~ Q^T for tokens g, g+8 and heads 2c, 2c+1
     uint32_t key_lo[C::kKeyWords], key_hi[C::kKeyWords];
@@ -258,7 +267,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     }
     // Masked tokens (past the range, a bad block id, or past the column's causal limit) get -inf
     // by selection, so garbage in their bytes cannot leak in.
-    const int pos_lo = tile_start(it) + g, pos_hi = pos_lo + 8;
     const float s0 = valid_lo && pos_lo < limit0 ? sc[0] * norm_lo : -INFINITY;
     const float s1 = valid_lo && pos_lo < limit1 ? sc[1] * norm_lo : -INFINITY;
     const float s2 = valid_hi && pos_hi < limit0 ? sc[2] * norm_hi : -INFINITY;
@@ -282,10 +290,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     // O^T += V^T B with raw codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
     uint32_t vw[4][C::kValueWords];
     const int value_at = C::kLayout.value_data_offset + g * C::kValueChunkBytes;
-    load_unaligned_words(slot_ptr(2 * c, false) + value_at, vw[0]);
-    load_unaligned_words(slot_ptr(2 * c + 1, false) + value_at, vw[1]);
-    load_unaligned_words(slot_ptr(2 * c + 8, true) + value_at, vw[2]);
-    load_unaligned_words(slot_ptr(2 * c + 9, true) + value_at, vw[3]);
+    load_unaligned_words(slot_ptr(2 * c) + value_at, vw[0]);
+    load_unaligned_words(slot_ptr(2 * c + 1) + value_at, vw[1]);
+    load_unaligned_words(slot_ptr(2 * c + 8) + value_at, vw[2]);
+    load_unaligned_words(slot_ptr(2 * c + 9) + value_at, vw[3]);
 #pragma unroll
     for (int i = 0; i < C::kKSteps; ++i) {
       uint32_t a0, a1, a2, a3;

@@ -17,8 +17,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // The packed slot of a preset as a decode CTA stages it: layout constants and the shared-memory
-// row that holds the aligned 16-byte chunks around a slot (a slot starts at any even address).
-template <int D_, bool kFp8Key_, int KB_, int VB_>
+// row that holds the 16-byte chunks from the slot's start rounded down to kWindowAlign (16 or
+// 32) bytes to its end (a slot starts at any even address).
+template <int D_, bool kFp8Key_, int KB_, int VB_, int kWindowAlign_ = 16>
 struct StagedSlot {
   static constexpr int D = D_;
   static constexpr bool kFp8Key = kFp8Key_;
@@ -27,7 +28,8 @@ struct StagedSlot {
   static constexpr SlotLayout kLayout =
       make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
-  static constexpr int kChunks = cdiv(14 + kSlotBytes, 16);
+  static constexpr int kWindowAlign = kWindowAlign_;
+  static constexpr int kChunks = cdiv(kWindowAlign - 2 + kSlotBytes, 16);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
   static constexpr int kTileBytes = 16 * kRowBytes;  // one 16-token tile
 };
