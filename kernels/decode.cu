@@ -43,6 +43,9 @@ namespace {
 constexpr int kWarps = kDecodeWarps;  // one pair table and one query rotation serve 8 warps
 constexpr int kThreads = kDecodeThreads;
 constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
+// The code of a tile whose block id is outside the cache: negative, and a multiple of 32 so the
+// row offsets derived from it stay even (the masked rows' fp16 fields are still read, aligned).
+constexpr int kMaskedTile = -32;
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   // chunks from the slot's start rounded down to 32 bytes to its end. Every lane commits one
   // cp.async group per tile (empty or not), so "all but the newest kStages - 1 groups" is always
   // "this tile and older". Returns the tile's code, the same in every lane: its row 0's address
-  // mod 32, or -1 for a block id outside the cache. Row r of the tile then starts at
+  // mod 32, or kMaskedTile for a block id outside the cache. Row r of the tile then starts at
   // (code + r * stride_token) mod 32 in its window: no per-row codes to gather, and the code
   // stays in a register until the tile is consumed, so no shared-memory load heads the chain.
   const int r = lane & 15, half = lane >> 4;
@@ -188,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       }
     }
     cp_async_commit();
-    return base >= 0 ? static_cast<int>(base & 31) : -1;
+    return base >= 0 ? static_cast<int>(base & 31) : kMaskedTile;
   };
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       codes[s] = issue_tile(s, s);
     } else {
       cp_async_commit();
-      codes[s] = -1;
+      codes[s] = kMaskedTile;
     }
   }
   const int stride_mod32 = static_cast<int>(p.cache.stride_token & 31);
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   for (int it = 0; it < my_tiles; ++it) {
     const int next = it + C::kStages - 1;
     const int tile_code = codes[0];
-    int next_codes = -1;
+    int next_codes = kMaskedTile;
     if (next < my_tiles) next_codes = issue_tile(next, next_stage);
     else cp_async_commit();
 #pragma unroll
