@@ -467,11 +467,12 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 // Which kernel serves varlen queries. The chunked kernel (decode_chunked.cu) shares each
 // dequantized tile across 64 query columns but pays its dequantize, two barriers per 64-token
 // step and a 64-column query set-up even for a few columns; the decode kernel's 8 columns win for
-// decode-like rows. Rule: the chunked kernel once the average sequence brings enough (token, head)
-// columns to fill its 64, total_q * group >= 64 * batch. Measured (H200, GQA 4, one sequence,
-// benchmarks/RESULTS.md) it picks the faster kernel or one within 1 us, except at L = 2k with
-// 16-64 tokens (chunked 5-11 us slower) and L = 32k with 8 tokens (chunked 4 us faster). The
-// host sees only shapes, so the choice is CUDA-graph safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked
+// decode-like rows. Rule: the chunked kernel once the average sequence brings (token, head)
+// columns to fill half of its 64, total_q * group >= 32 * batch. Measured (H200, GQA 4, one
+// sequence, 2026-12-03, benchmarks/RESULTS.md): at 8 tokens (32 columns) the chunked kernel is
+// faster at every context (2k 30.1 vs 32.6 us, 8k 30.7 vs 39.1, 32k 73.8 vs 92.8), at 4 tokens
+// the decode kernel (32k 56.1 vs 66.2 us; 8k 3.5 us slower); the former rule (64 columns) left
+// the 8-token rows on the decode kernel. The host sees only shapes, so the choice is CUDA-graph safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked
 // forces one where the chunked kernel supports the shape (tests and benchmarks of each kernel;
 // read once per process, other values warn).
 static bool use_chunked_varlen(const DecodeParams& p) {
@@ -487,7 +488,7 @@ static bool use_chunked_varlen(const DecodeParams& p) {
   }();
   if (forced != 0) return forced == 2;
   const int64_t group = p.num_q_heads / p.cache.num_kv_heads;
-  return static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
+  return 2 * static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
 }
 
 // Splits fill one wave with the CTAs that have work: for varlen queries the grid's empty

@@ -91,7 +91,7 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
 
 // Varlen queries with 64 query columns per CTA (decode_chunked.cu): each key tile dequantized
-// once per CTA. launch_decode takes it when total_q * group >= 64 * batch (use_chunked_varlen).
+// once per CTA. launch_decode takes it when total_q * group >= 32 * batch (use_chunked_varlen).
 bool decode_chunked_supports(const DecodeParams& p);
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 

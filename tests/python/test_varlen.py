@@ -164,7 +164,7 @@ def test_decode_varlen_cuda_graph_replay_and_empty_query():
 @pytest.mark.parametrize("kernel", ["decode", "chunked"])
 def test_each_varlen_kernel_passes_the_varlen_cuda_tests(kernel):
     """launch_decode picks the varlen kernel by shape (the chunked one, 64 query columns per CTA,
-    once the average chunk fills its columns), so each test above exercises one of them: run this
+    once the average chunk fills half of them), so each test above exercises one of them: run this
     file's CUDA tests again with each kernel forced (TURBOQUANT_VARLEN_KERNEL, read once per
     process), so both see every shape."""
     import os
