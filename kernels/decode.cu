@@ -49,8 +49,9 @@ constexpr int kMaskedTile = -32;
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
-  // 32-byte windows: a lane pair's two 16-byte copies then fall in one L2 sector (from 16-byte
-  // windows, half of them straddled two).
+  // 32-byte windows: a lane pair's two 16-byte copies then lie in one 32-byte sector (from
+  // 16-byte windows, half of them straddled two); 10-19 % faster at the bandwidth-bound shapes
+  // (benchmarks/RESULTS.md, session 7).
   using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_, 32>;
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes, Slot::kChunks, Slot::kRowBytes,
       Slot::kTileBytes;
