@@ -43,9 +43,6 @@ namespace {
 constexpr int kWarps = kDecodeWarps;  // one pair table and one query rotation serve 8 warps
 constexpr int kThreads = kDecodeThreads;
 constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
-// The code of a tile whose block id is outside the cache: negative, and a multiple of 32 so the
-// row offsets derived from it stay even (the masked rows' fp16 fields are still read, aligned).
-constexpr int kMaskedTile = -32;
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
@@ -54,7 +51,7 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   // (benchmarks/RESULTS.md, session 7).
   using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_, 32>;
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes, Slot::kChunks, Slot::kRowBytes,
-      Slot::kTileBytes;
+      Slot::kTileBytes, Slot::kWindowAlign;
   static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   // Per-thread contiguous chunks of one slot.
   static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
@@ -150,9 +147,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   // chunks from the slot's start rounded down to 32 bytes to its end. Every lane commits one
   // cp.async group per tile (empty or not), so "all but the newest kStages - 1 groups" is always
   // "this tile and older". Returns the tile's code, the same in every lane: its row 0's address
-  // mod 32, or kMaskedTile for a block id outside the cache. Row r of the tile then starts at
-  // (code + r * stride_token) mod 32 in its window: no per-row codes to gather, and the code
-  // stays in a register until the tile is consumed, so no shared-memory load heads the chain.
+  // mod 32, or kMaskedTileCode for a block id outside the cache (turboquant/staging_window.h).
+  // The consumer derives each row's offset in its window from it: no per-row codes to gather,
+  // and the code stays in a register until the tile is consumed, so no shared-memory load heads
+  // the chain.
   const int r = lane & 15, half = lane >> 4;
   const int64_t row_offset = static_cast<int64_t>(r) * p.cache.stride_token;
   // Slots whose windows end inside the cache view copy without a per-chunk bound check.
@@ -167,14 +165,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const int64_t base = __shfl_sync(kFullMask, tile_bases, local_tile & 31);
     const bool row_ok = base >= 0 && tile_start(local_tile) + r < range.end;  // a tile never straddles blocks
     const int64_t slot = base + row_offset;
-    const int64_t first = slot & ~int64_t(31);
+    const int64_t first = window_start(slot, C::kWindowAlign);
     if (row_ok) {
       const uint8_t* src = p.cache.data + first + 16 * half;
       uint8_t* dst = ring_row + dst_stage * C::kTileBytes;
       // Chunks past the slot's end are skipped: the last one or two of the window, depending on
       // where in its 32 bytes the slot starts.
-      const int window_bytes = static_cast<int>(slot & 31) + C::kSlotBytes;
-      auto needed = [&](int chunk) { return 16 * chunk < C::kSlotBytes || 16 * chunk < window_bytes; };
+      const int offset = offset_in_window(slot, C::kWindowAlign);
+      auto needed = [&](int chunk) { return window_chunk_needed(chunk, offset, C::kSlotBytes); };
       if (first <= all_chunks_limit) {
 #pragma unroll
         for (int k = 0; k < cdiv(C::kChunks, 2); ++k) {
@@ -192,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       }
     }
     cp_async_commit();
-    return base >= 0 ? static_cast<int>(base & 31) : kMaskedTile;
+    return tile_window_code(base, C::kWindowAlign);
   };
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
@@ -210,15 +208,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       codes[s] = issue_tile(s, s);
     } else {
       cp_async_commit();
-      codes[s] = kMaskedTile;
+      codes[s] = kMaskedTileCode;
     }
   }
-  const int stride_mod32 = static_cast<int>(p.cache.stride_token & 31);
+  const int stride_mod = static_cast<int>(p.cache.stride_token & (C::kWindowAlign - 1));
   int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
   for (int it = 0; it < my_tiles; ++it) {
     const int next = it + C::kStages - 1;
     const int tile_code = codes[0];
-    int next_codes = kMaskedTile;
+    int next_codes = kMaskedTileCode;
     if (next < my_tiles) next_codes = issue_tile(next, next_stage);
     else cp_async_commit();
 #pragma unroll
@@ -229,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     __syncwarp();  // ... and every lane's
 
     const uint8_t* rows = ring + stage * C::kTileBytes;
-    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + ((tile_code + r * stride_mod32) & 31); };
+    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign); };
     const int pos_lo = tile_start(it) + g, pos_hi = pos_lo + 8;
     const bool tile_ok = tile_code >= 0;
     const bool valid_lo = tile_ok && pos_lo < range.end, valid_hi = tile_ok && pos_hi < range.end;

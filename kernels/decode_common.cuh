@@ -8,6 +8,7 @@
 #include "device_utils.cuh"
 #include "turboquant/layout.h"
 #include "turboquant/query_chunks.h"
+#include "turboquant/staging_window.h"
 
 namespace turboquant {
 
@@ -29,7 +30,7 @@ struct StagedSlot {
       make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
   static constexpr int kWindowAlign = kWindowAlign_;
-  static constexpr int kChunks = cdiv(kWindowAlign - 2 + kSlotBytes, 16);
+  static constexpr int kChunks = window_chunks(kSlotBytes, kWindowAlign);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts
   static constexpr int kTileBytes = 16 * kRowBytes;  // one 16-token tile
 };

@@ -1,0 +1,43 @@
+// Where a decode CTA copies a packed slot from and where it finds it again (kernels/decode.cu).
+// Slots start at any even byte; 16-byte async copies need 16-byte-aligned sources, so a row of
+// the staging ring holds the 16-byte chunks of a window: from the slot's start rounded down to
+// kAlign bytes to the slot's end. With kAlign = 32 a lane pair's two chunks lie in one 32-byte
+// sector. Host-testable (tests/cpp/test_staging_window.cpp): the chunks cover the slot, stay
+// inside the row, and the offset the consumer derives from one code per tile is the slot's.
+#pragma once
+
+#include <cstdint>
+
+#include "turboquant/macros.h"
+
+namespace turboquant {
+
+// 16-byte chunks a ring row must hold for slots of slot_bytes starting at any even offset.
+TQ_HD constexpr int window_chunks(int slot_bytes, int align) { return (align - 2 + slot_bytes + 15) / 16; }
+
+// Byte offset of the window (relative to the cache base) and the slot's offset inside it.
+TQ_HD int64_t window_start(int64_t slot, int align) { return slot & ~static_cast<int64_t>(align - 1); }
+TQ_HD int offset_in_window(int64_t slot, int align) { return static_cast<int>(slot & (align - 1)); }
+
+// Whether chunk `chunk` of a window holds bytes of a slot starting at `offset` in it. Chunks
+// below slot_bytes / 16 always do (a constant test the compiler folds).
+TQ_HD bool window_chunk_needed(int chunk, int offset, int slot_bytes) {
+  return 16 * chunk < slot_bytes || 16 * chunk < offset + slot_bytes;
+}
+
+// A tile's code: its row 0's offset in its window, or kMaskedTileCode when its block id is outside
+// the cache (negative, and a multiple of every alignment up to 32 so the offsets derived from it
+// stay even: a masked row's fp16 fields are still read, then discarded).
+constexpr int kMaskedTileCode = -32;
+TQ_HD int tile_window_code(int64_t row0_slot, int align) {
+  return row0_slot >= 0 ? offset_in_window(row0_slot, align) : kMaskedTileCode;
+}
+
+// Offset in its window of row r of a tile: rows are stride_token bytes apart, so with
+// stride_mod = stride_token mod align, (row0 + r * stride_token) mod align =
+// (code + r * stride_mod) mod align.
+TQ_HD int row_offset_in_window(int tile_code, int r, int stride_mod, int align) {
+  return (tile_code + r * stride_mod) & (align - 1);
+}
+
+}  // namespace turboquant
