@@ -471,9 +471,9 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 // sequence, 2026-12-03, benchmarks/RESULTS.md): at 8 tokens (32 columns) the chunked kernel is
 // faster at every context (2k 30.1 vs 32.6 us, 8k 30.7 vs 39.1, 32k 73.8 vs 92.8), at 4 tokens
 // the decode kernel (32k 56.1 vs 66.2 us; 8k 3.5 us slower); the former rule (64 columns) left
-// the 8-token rows on the decode kernel. The host sees only shapes, so the choice is CUDA-graph safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked
-// forces one where the chunked kernel supports the shape (tests and benchmarks of each kernel;
-// read once per process, other values warn).
+// the 8-token rows on the decode kernel. The host sees only shapes, so the choice is CUDA-graph
+// safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked forces one where the chunked kernel supports the
+// shape (tests and benchmarks of each kernel; read once per process, other values warn).
 static bool use_chunked_varlen(const DecodeParams& p) {
   if (p.query_start_loc == nullptr || !decode_chunked_supports(p)) return false;
   static const int forced = [] {  // 0: by shape, 1: decode kernel, 2: chunked kernel

@@ -1,8 +1,8 @@
 // Where a decode CTA copies a packed slot from and where it finds it again (kernels/decode.cu).
 // Slots start at any even byte; 16-byte async copies need 16-byte-aligned sources, so a row of
 // the staging ring holds the 16-byte chunks of a window: from the slot's start rounded down to
-// kAlign bytes to the slot's end. With kAlign = 32 a lane pair's two chunks lie in one 32-byte
-// sector. Host-testable (tests/cpp/test_staging_window.cpp): the chunks cover the slot, stay
+// `align` bytes (16 or 32, a power of two) to the slot's end. With align = 32 a lane pair's two
+// chunks lie in one 32-byte sector. Host-testable (tests/cpp/test_staging_window.cpp): the chunks cover the slot, stay
 // inside the row, and the offset the consumer derives from one code per tile is the slot's.
 #pragma once
 
@@ -19,8 +19,9 @@ TQ_HD constexpr int window_chunks(int slot_bytes, int align) { return (align - 2
 TQ_HD int64_t window_start(int64_t slot, int align) { return slot & ~static_cast<int64_t>(align - 1); }
 TQ_HD int offset_in_window(int64_t slot, int align) { return static_cast<int>(slot & (align - 1)); }
 
-// Whether chunk `chunk` of a window holds bytes of a slot starting at `offset` in it. Chunks
-// below slot_bytes / 16 always do (a constant test the compiler folds).
+// Whether chunk `chunk` of a window holds bytes of a slot starting at `offset` in it. The first
+// test is implied by the second (offset >= 0) but is a compile-time constant per chunk, so the
+// copies every slot needs are issued without a run-time comparison.
 TQ_HD bool window_chunk_needed(int chunk, int offset, int slot_bytes) {
   return 16 * chunk < slot_bytes || 16 * chunk < offset + slot_bytes;
 }
