@@ -227,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     __syncwarp();  // ... and every lane's
 
     const uint8_t* rows = ring + stage * C::kTileBytes;
-    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign); };
+    auto slot_ptr = [&](int r) {
+      return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
+    };
     const int pos_lo = tile_start(it) + g, pos_hi = pos_lo + 8;
     const bool tile_ok = tile_code >= 0;
     const bool valid_lo = tile_ok && pos_lo < range.end, valid_hi = tile_ok && pos_hi < range.end;
