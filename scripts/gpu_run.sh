@@ -25,6 +25,8 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 start=$(date +%s)
 if has probe; then  # standalone, no torch: compile it while the library builds
   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/paged_read_probe.cu -o "$OUT/probe.bin" > "$OUT/probe_build.log" 2>&1 &
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/tma_probe.cu -L/usr/local/cuda/lib64/stubs -lcuda \
+    -o "$OUT/tma_probe.bin" > "$OUT/tma_probe_build.log" 2>&1 &
 fi
 build_turboquant > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 wait
@@ -32,6 +34,9 @@ echo "== built in $(( $(date +%s) - start )) s"
 status=0
 if has probe; then
   echo "== paged read probe (data movement only)"; "$OUT/probe.bin" | tee "$OUT/probe.md" || status=1
+  # A box starting off a 16-byte boundary is expected to fault: each start in its own process.
+  echo "== TMA box starts (x: bytes into the token row)"; echo "| x | result |"; echo "|---|---|"
+  for x in 0 16 144 2 8 134; do "$OUT/tma_probe.bin" "$x"; done | tee "$OUT/tma_probe.md"
 fi
 if has diagnose; then
   echo "== decode knobs"; timeout 240 "$PYTHON" benchmarks/diagnose_decode.py 2>&1 | tee "$OUT/diagnose.md" || status=1
