@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose sanitize ab
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize ab
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; DECODE_SHAPE="B HQ HKV L"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH=<file> (step ab: a diff from a
@@ -40,6 +40,9 @@ if has probe; then
 fi
 if has diagnose; then
   echo "== decode knobs"; timeout 240 "$PYTHON" benchmarks/diagnose_decode.py 2>&1 | tee "$OUT/diagnose.md" || status=1
+fi
+if has splits; then  # decode time against the split count at batch 1..16 (the split rule's evidence)
+  echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
 fi
 if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
   sanitize() {

@@ -1,0 +1,55 @@
+"""Decode time against the number of splits, for the batch sizes where the default heuristic
+(decode_default_num_splits: enough splits to fill every resident CTA slot, 2 per SM) has a choice.
+Evidence for the split rule (issue #4): one row per (shape, preset), graph replay in rotation over
+enough caches to defeat the L2, the default ("auto") next to fixed counts.
+
+    python benchmarks/sweep_splits.py [--out results.md]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turboquant as tq  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache  # noqa: E402
+from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
+
+# Batch 1..16 at GQA 4 and 8 KV heads: 8..128 CTAs before splitting, so the default picks 33..2.
+SHAPES = [(1, 32, 8, 32768), (2, 32, 8, 16384), (4, 32, 8, 16384), (8, 32, 8, 8192), (16, 32, 8, 8192)]
+SPLITS = [0, 1, 2, 4, 8, 16, 33]
+PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="append the table to this markdown file")
+    a = p.parse_args()
+    header = ("| B | Hq | Hkv | L | preset | " + " | ".join(f"splits {s or 'auto'} us" for s in SPLITS) + " |\n|"
+              + "---|" * (5 + len(SPLITS)))
+    lines = [f"Decode vs splits, D={HEAD_DIM}, block_size 16, {torch.cuda.get_device_name()}, graph replay", "", header]
+    print("\n".join(lines), flush=True)
+    for (b, hq, hkv, length) in SHAPES:
+        for preset in PRESETS:
+            packed = b * hkv * length * tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
+            caches = [build_cache(preset, b, hkv, length, s) for s in range(copies_to_defeat_l2(packed))]
+            q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+            cells = []
+            for splits in SPLITS:
+                fns = [lambda c=c, s=splits: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, s)
+                       for c in caches]
+                cells.append(f"{time_us(graph_replays(fns)):.1f}")
+            row = f"| {b} | {hq} | {hkv} | {length} | {preset.replace('turboquant_', '')} | " + " | ".join(cells) + " |"
+            lines.append(row)
+            print(row, flush=True)
+            del caches
+            torch.cuda.empty_cache()
+    append_markdown(a.out, lines)
+
+
+if __name__ == "__main__":
+    main()
