@@ -8,7 +8,8 @@
 # base commit to this tree) rebuilds the base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_ROUNDS,
-# default 2; AB_CONTINUATION=0 leaves out the continuation table); COMMIT=<hash>
+# default 2; AB_CONTINUATION=0 leaves out the continuation table; AB_STORE=1 adds bench_store.py
+# for 4bit_nc and k8v4); COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -115,10 +116,15 @@ if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its o
       label=$([ "$tree" = . ] && echo change || echo base)
       (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets turboquant_4bit_nc turboquant_k8v4 \
         --out "$out_abs/ab_$label.md" && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
-        "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
+        "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
+        { [ "${AB_STORE:-0}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_store.py \
+        --presets turboquant_4bit_nc turboquant_k8v4 --out "$out_abs/ab_store_$label.md"; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
     done
   done
   for label in change base; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
+  if [ "${AB_STORE:-0}" != 0 ]; then
+    for label in change base; do echo "== ab store: $label"; grep -E "^\| (turboquant_)?(4bit_nc|k8v4) \|" "$OUT/ab_store_$label.md"; done
+  fi
 fi
 echo "== done in $(( $(date +%s) - start )) s"
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
