@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     }
   };
   // Issues step `step` (its tiles' block ids `blocks`) into ring stage step % S; thread (row,
-  // chunk 0) records where each of its rows' slot starts inside the row's first staged 16-byte
-  // chunk (slot & 15), or -1 when the row is masked.
+  // chunk 0) records where each of its rows' slot starts inside the row's 16-byte-aligned window
+  // (turboquant/staging_window.h), or -1 when the row is masked.
   auto issue_step = [&](int step, const StepBlocks& blocks) {
     const int stage = step % C::kStages;
 #pragma unroll
@@ -165,13 +165,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       if (block >= 0 && block < p.cache.num_blocks && pos < range.end) {
         const int64_t slot = block * p.cache.stride_block +
                              static_cast<int64_t>(pos & (block_size - 1)) * p.cache.stride_token + head_offset;
-        const int64_t first = slot & ~int64_t(15);
+        const int64_t first = window_start(slot, C::kWindowAlign);
         const int64_t chunk_at = first + 16 * copy_chunk;
         // Whole 16-byte chunks inside the view only (span_bytes is a multiple of 16, host-checked).
         if (copy_chunk < C::kChunks && chunk_at + 16 <= p.cache.span_bytes) {
           cp_async_16(ring + stage * C::kStepBytes + row * C::kRowBytes + 16 * copy_chunk, p.cache.data + chunk_at);
         }
-        if (copy_chunk == 0) stage_rows[stage * C::kStepTokens + row] = static_cast<int>(slot & 15);
+        if (copy_chunk == 0) stage_rows[stage * C::kStepTokens + row] = offset_in_window(slot, C::kWindowAlign);
       } else if (copy_chunk == 0) {
         stage_rows[stage * C::kStepTokens + row] = -1;
       }
