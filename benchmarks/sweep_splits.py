@@ -1,5 +1,5 @@
 """Decode time against the number of splits, for the batch sizes where the default heuristic
-(decode_default_num_splits: enough splits to fill every resident CTA slot, 2 per SM) has a choice.
+(decode_num_splits in turboquant/split_plan.h: one wave of one or two CTAs per SM) has a choice.
 Evidence for the split rule (issue #4): one row per (shape, preset), graph replay in rotation over
 enough caches to defeat the L2, the default ("auto") next to fixed counts.
 

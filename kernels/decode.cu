@@ -492,7 +492,8 @@ static bool use_chunked_varlen(const DecodeParams& p) {
   return 2 * static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
 }
 
-// Splits fill one wave with the CTAs that have work: for varlen queries the grid's empty
+// Splits fill one wave with the CTAs that have work (the decode kernel: one or two CTAs per SM by
+// decode_num_splits, turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
 // alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
 // too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
 // 128 tokens 3 instead of 4).
@@ -504,8 +505,11 @@ int decode_default_num_splits(const DecodeParams& p) {
   const int tokens_per_cta = chunked ? chunked_tokens_per_cta(group) : varlen_tokens_per_cta(group);
   const int busy = p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, tokens_per_cta);
   const int ctas_per_chunk = p.cache.num_kv_heads * (chunked ? 1 : head_chunks_of(p));
-  const int splits = default_num_splits(busy, ctas_per_chunk, p.max_blocks_per_seq * p.cache.block_size,
-                                        device_sm_count() * per_sm);
+  const int max_context = p.max_blocks_per_seq * p.cache.block_size;
+  const int splits =
+      chunked ? default_num_splits(busy, ctas_per_chunk, max_context, device_sm_count() * per_sm)
+              : decode_num_splits(p.layout.key_format == KeyFormat::kFp8, busy, ctas_per_chunk, max_context,
+                                  device_sm_count(), per_sm);
   return std::min(splits, 128);
 }
 

@@ -22,6 +22,22 @@ TEST(SplitPlan, NeverBelowMinimumTokensPerSplit) {
   EXPECT_EQ(default_num_splits(0, 8, 8192, 264), 1);
 }
 
+TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
+  // 132 SMs, 2 resident decode CTAs each; 8 KV heads x 1 head chunk per sequence.
+  EXPECT_EQ(decode_num_splits(false, 4, 8, 16384, 132, 2), 8);  // 2048 tokens per split: two per SM
+  EXPECT_EQ(decode_num_splits(false, 8, 8, 8192, 132, 2), 4);
+  EXPECT_EQ(decode_num_splits(false, 16, 8, 8192, 132, 2), 2);
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 2), 16);  // 33 would be 992 tokens: one per SM
+  EXPECT_EQ(decode_num_splits(false, 2, 8, 16384, 132, 2), 8);
+  EXPECT_EQ(decode_num_splits(false, 32, 8, 8192, 132, 2), 1);  // the grid fills the SMs unsplit
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 1024, 132, 2), 1024 / kMinTokensPerSplit);  // the cap rules
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 1), 16);  // one resident CTA: nothing to choose
+  // FP8 keys: always one per SM.
+  EXPECT_EQ(decode_num_splits(true, 1, 8, 32768, 132, 2), 16);
+  EXPECT_EQ(decode_num_splits(true, 4, 8, 16384, 132, 2), 4);
+  EXPECT_EQ(decode_num_splits(true, 16, 8, 8192, 132, 2), 1);
+}
+
 TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
   for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149}) {
     for (int splits : {1, 3, 7, 33}) {
