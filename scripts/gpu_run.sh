@@ -109,9 +109,12 @@ fi
 if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its own build
   base=/tmp/ab_base; rm -rf "$base"; mkdir -p "$base"; out_abs=$(cd "$OUT" && pwd); here=$(pwd)
   tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
-  (cd "$base" && patch -R -p1 -s < "$here/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
-    || { status=1; tail -20 "$OUT/ab_build.log"; }
-  for round in $(seq "${AB_ROUNDS:-2}"); do
+  # -f: never prompt. A patch that does not reverse (the tree is not the patched one) stops the
+  # A/B here rather than timing the tree against itself.
+  rounds=${AB_ROUNDS:-2}
+  (cd "$base" && patch -R -p1 -s -f < "$here/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
+    || { status=1; rounds=0; echo "== ab: the base tree did not build (AB_PATCH does not reverse here?)"; tail -20 "$OUT/ab_build.log"; }
+  for round in $(seq "$rounds"); do
     for tree in . "$base"; do
       label=$([ "$tree" = . ] && echo change || echo base)
       (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets turboquant_4bit_nc turboquant_k8v4 \
