@@ -10,16 +10,9 @@
 //     per-warp shared-memory ring of kStages tiles. Block ids are loaded 32 tiles ahead, one per
 //     lane, so issuing a tile never waits on the block table; the consumer finds each row in its
 //     window from one number per tile in a register (the tile's first slot address mod 32);
-//   * S^T = K~ Q^T on tensor cores (mma m16n8k16: tokens are the M dimension, heads the N), with
-//     A fragments dequantized straight into registers: a pair of Lloyd-Max indices indexes a
-//     bank-replicated half2 table (addressed in bytes, two ALU ops per lookup), FP8 pairs use the
-//     hardware e4m3x2 -> f16x2 conversion. The head dim is permuted so that each thread reads one
-//     contiguous chunk of the slot; the query fragments (rotated once per CTA by an FWHT in
-//     shared memory) use the same permutation;
-//   * scores times the stored norm, online softmax in the log2 domain;
-//   * O^T += V^T (P*scale)^T on tensor cores with the raw integer value codes as A
-//     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) q_t + sum_t p_t z_t), P transposed in
-//     registers by movmatrix.
+//   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
+//     with fragments dequantized in registers, online softmax in the log2 domain; the query
+//     columns are rotated once per CTA by an FWHT in shared memory.
 // Warps combine in shared memory; with several splits the merge kernel (decode_merge.cu)
 // combines the per-split results by log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
 #include <cuda_runtime.h>
@@ -31,6 +24,7 @@
 #include <string>
 
 #include "decode_common.cuh"
+#include "decode_tile.cuh"
 #include "device_utils.cuh"
 #include "dispatch.cuh"
 #include "launchers.h"
@@ -53,13 +47,8 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes, Slot::kChunks, Slot::kRowBytes,
       Slot::kTileBytes, Slot::kWindowAlign;
   static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
-  // Per-thread contiguous chunks of one slot.
-  static constexpr int kKeyChunkBytes = (D / 4) * KB / 8;  // QK: thread c owns dims [c D/4, (c+1) D/4)
-  static constexpr int kKeyWords = cdiv(kKeyChunkBytes, 4);
-  static constexpr int kValueChunkBytes = (D / 8) * VB / 8;  // PV: thread g owns dims [g D/8, (g+1) D/8)
-  static constexpr int kValueWords = cdiv(kValueChunkBytes, 4);
-  static constexpr int kKSteps = D / 16;
-  static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * 32;
+  static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
+  static constexpr int kPairTableWords = TileFragments<Slot>::kPairTableWords;
   // Shared memory: staging ring (reused for the query rotation and the final warp merge).
   static constexpr int kRingBytes = kWarps * kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kHeads * D * 4;
@@ -104,14 +93,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
   stage_query_columns<D, kHeads, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query),
                                                                columns, p.codebook);
-  // B fragments of Q^T: logical k (2c, 2c+1 | 2c+8, 2c+9) of step j = physical dims c*D/4 + 4j + (0,1 | 2,3).
-  uint32_t qf[C::kKSteps][2];
-#pragma unroll
-  for (int j = 0; j < C::kKSteps; ++j) {
-    const float* r = qs + g * D + c * (D / 4) + 4 * j;
-    qf[j][0] = pack_half2(r[0] * q_multiplier, r[1] * q_multiplier);
-    qf[j][1] = pack_half2(r[2] * q_multiplier, r[3] * q_multiplier);
-  }
+  uint32_t qf[C::kKSteps][2];  // B fragments of Q^T (decode_tile.cuh)
+  device::query_fragments<D>(qs, g, c, q_multiplier, qf);
   __syncthreads();  // the ring reuses qs
 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
@@ -193,12 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     return tile_window_code(base, C::kWindowAlign);
   };
 
-  float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads 2c, 2c+1
-  float l[2] = {0.0f, 0.0f};            // this thread's share of the softmax denominators
-  float z[2] = {0.0f, 0.0f};            // this thread's share of sum_t p_t * zero_t
-  float acc[C::kKSteps][4];             // O^T fragments: dims g*D/8 + 2i (+1), heads 2c, 2c+1
-#pragma unroll
-  for (int i = 0; i < C::kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  device::TileAttention<C::kKSteps> st;  // running softmax statistics and O^T fragments
 
   // Codes of the tiles in flight, oldest first (register FIFO: indices fold to constants).
   int codes[C::kStages - 1];
@@ -230,103 +208,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     auto slot_ptr = [&](int r) {
       return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
     };
-    const int pos_lo = tile_start(it) + g, pos_hi = pos_lo + 8;
+    const int pos_lo = tile_start(it) + g;
     const bool tile_ok = tile_code >= 0;
-    const bool valid_lo = tile_ok && pos_lo < range.end, valid_hi = tile_ok && pos_hi < range.end;
-    const uint8_t* slot_lo = slot_ptr(g);
-    const uint8_t* slot_hi = slot_ptr(g + 8);
-
-    // S^T = K~ Q^T for tokens g, g+8 and heads 2c, 2c+1
-    uint32_t key_lo[C::kKeyWords], key_hi[C::kKeyWords];
-    load_unaligned_words(slot_lo + c * C::kKeyChunkBytes, key_lo);
-    load_unaligned_words(slot_hi + c * C::kKeyChunkBytes, key_hi);
-    // Two accumulators halve the chain of dependent MMAs.
-    float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    auto lookup = [&](const uint32_t (&w)[C::kKeyWords], int bit) {
-      return *reinterpret_cast<const uint32_t*>(table_bytes + pair_entry_offset(w, bit, 2 * C::KB, lane_bytes));
-    };
-#pragma unroll
-    for (int j = 0; j < C::kKSteps; ++j) {
-      uint32_t a0, a1, a2, a3;
-      if constexpr (C::kFp8Key) {
-        a0 = fp8x2_to_half2(extract_bits(key_lo, 32 * j, 16));
-        a2 = fp8x2_to_half2(extract_bits(key_lo, 32 * j + 16, 16));
-        a1 = fp8x2_to_half2(extract_bits(key_hi, 32 * j, 16));
-        a3 = fp8x2_to_half2(extract_bits(key_hi, 32 * j + 16, 16));
-      } else {
-        a0 = lookup(key_lo, 4 * j * C::KB);
-        a2 = lookup(key_lo, (4 * j + 2) * C::KB);
-        a1 = lookup(key_hi, 4 * j * C::KB);
-        a3 = lookup(key_hi, (4 * j + 2) * C::KB);
-      }
-      mma_16816(j % 2 == 0 ? sc_even : sc_odd, a0, a1, a2, a3, qf[j][0], qf[j][1]);
-    }
-    float sc[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sc[i] = sc_even[i] + sc_odd[i];
-    float norm_lo = 1.0f, norm_hi = 1.0f;
-    if constexpr (!C::kFp8Key) {
-      norm_lo = load_half(slot_lo + C::kLayout.key_norm_offset);
-      norm_hi = load_half(slot_hi + C::kLayout.key_norm_offset);
-    }
-    // Masked tokens (past the range, a bad block id, or past the column's causal limit) get -inf
-    // by selection, so garbage in their bytes cannot leak in.
-    const float s0 = valid_lo && pos_lo < limit0 ? sc[0] * norm_lo : -INFINITY;
-    const float s1 = valid_lo && pos_lo < limit1 ? sc[1] * norm_lo : -INFINITY;
-    const float s2 = valid_hi && pos_hi < limit0 ? sc[2] * norm_hi : -INFINITY;
-    const float s3 = valid_hi && pos_hi < limit1 ? sc[3] * norm_hi : -INFINITY;
-
-    // Online softmax per column (decode_common.cuh).
-    const float s[4] = {s0, s1, s2, s3};
-    float pr[4], alpha[2];
-    online_softmax_tile(s, m, l, acc, pr, alpha);
-    const float p0 = pr[0], p1 = pr[1], p2 = pr[2], p3 = pr[3];
-    const float vs_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_scale_offset) : 0.0f;
-    const float vz_lo = valid_lo ? load_half(slot_lo + C::kLayout.value_zero_offset) : 0.0f;
-    const float vs_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_scale_offset) : 0.0f;
-    const float vz_hi = valid_hi ? load_half(slot_hi + C::kLayout.value_zero_offset) : 0.0f;
-    z[0] = z[0] * alpha[0] + (p0 * vz_lo + p2 * vz_hi);
-    z[1] = z[1] * alpha[1] + (p1 * vz_lo + p3 * vz_hi);
-    // B = (P * value_scale)^T: transpose the C-layout tiles (tokens x heads) in registers.
-    const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
-    const uint32_t pb1 = movmatrix_trans(pack_half2(p2 * vs_hi, p3 * vs_hi));
-
-    // O^T += V^T B with raw codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
-    uint32_t vw[4][C::kValueWords];
-    const int value_at = C::kLayout.value_data_offset + g * C::kValueChunkBytes;
-    load_unaligned_words(slot_ptr(2 * c) + value_at, vw[0]);
-    load_unaligned_words(slot_ptr(2 * c + 1) + value_at, vw[1]);
-    load_unaligned_words(slot_ptr(2 * c + 8) + value_at, vw[2]);
-    load_unaligned_words(slot_ptr(2 * c + 9) + value_at, vw[3]);
-#pragma unroll
-    for (int i = 0; i < C::kKSteps; ++i) {
-      uint32_t a0, a1, a2, a3;
-      if constexpr (C::VB == 4) {
-        // Byte i of each token's chunk holds dims 2i (low nibble, row g) and 2i + 1 (high
-        // nibble, row g + 8): interleave the two tokens' bytes, then one mask per nibble.
-        const int w = i >> 2, byte = i & 3;
-        const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
-        const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel);
-        const uint32_t x23 = __byte_perm(vw[2][w], vw[3][w], sel);
-        a0 = low_codes_to_half2<4>(x01);
-        a1 = high_codes_to_half2<4>(x01);
-        a2 = low_codes_to_half2<4>(x23);
-        a3 = high_codes_to_half2<4>(x23);
-      } else {
-        // Dims 2i (row g) and 2i + 1 (row g + 8) are the two VB-bit codes at bit 2i VB of each
-        // token's chunk: a 16-bit window per token, two tokens per word (one PRMT), then one
-        // mask per dim as in the nibble path.
-        static_assert(2 * C::VB <= 16, "two codes must fit a 16-bit window");
-        const int bit = 2 * i * C::VB;
-        const uint32_t x01 = __byte_perm(window16(vw[0], bit), window16(vw[1], bit), 0x5410);
-        const uint32_t x23 = __byte_perm(window16(vw[2], bit), window16(vw[3], bit), 0x5410);
-        a0 = low_codes_to_half2<C::VB>(x01);
-        a1 = high_codes_to_half2<C::VB>(x01);
-        a2 = low_codes_to_half2<C::VB>(x23);
-        a3 = high_codes_to_half2<C::VB>(x23);
-      }
-      mma_16816(acc[i], a0, a1, a2, a3, pb0, pb1);
-    }
+    device::attend_tile<C>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
+                           limit0, limit1, table_bytes, lane_bytes, qf, st);
     // The next iteration refills this stage: every lane's reads of it are done before that.
     __syncwarp();
     stage = stage == C::kStages - 1 ? 0 : stage + 1;
@@ -335,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
 
   // ---- combine the warps
-  sum_over_column_lanes(l);
-  sum_over_column_lanes(z);
+  sum_over_column_lanes(st.l);
+  sum_over_column_lanes(st.z);
   __syncthreads();  // every warp is done with the ring
   float* merge = reinterpret_cast<float*>(scratch);  // [kWarps][kHeads][D + 3]: acc, m, l, z
   constexpr int kRow = D + 3;
@@ -344,17 +229,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) {
     const int d = g * (D / 8) + 2 * i;
-    mine[(2 * c) * kRow + d] = acc[i][0];
-    mine[(2 * c + 1) * kRow + d] = acc[i][1];
-    mine[(2 * c) * kRow + d + 1] = acc[i][2];
-    mine[(2 * c + 1) * kRow + d + 1] = acc[i][3];
+    mine[(2 * c) * kRow + d] = st.acc[i][0];
+    mine[(2 * c + 1) * kRow + d] = st.acc[i][1];
+    mine[(2 * c) * kRow + d + 1] = st.acc[i][2];
+    mine[(2 * c + 1) * kRow + d + 1] = st.acc[i][3];
   }
   if (g == 0) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      mine[(2 * c + k) * kRow + D] = m[k];
-      mine[(2 * c + k) * kRow + D + 1] = l[k];
-      mine[(2 * c + k) * kRow + D + 2] = z[k];
+      mine[(2 * c + k) * kRow + D] = st.m[k];
+      mine[(2 * c + k) * kRow + D + 1] = st.l[k];
+      mine[(2 * c + k) * kRow + D + 2] = st.z[k];
     }
   }
   __syncthreads();
@@ -499,17 +384,23 @@ static bool use_chunked_varlen(const DecodeParams& p) {
 // 128 tokens 3 instead of 4).
 int decode_default_num_splits(const DecodeParams& p) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
-  const bool chunked = use_chunked_varlen(p);
-  int per_sm = chunked ? 2 : 1;  // the chunked kernel: 2 CTAs per SM (shared memory, 128 registers)
-  if (!chunked) visit_decode_config(p, ResidentCtas{&per_sm});
-  const int tokens_per_cta = chunked ? chunked_tokens_per_cta(group) : varlen_tokens_per_cta(group);
-  const int busy = p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, tokens_per_cta);
-  const int ctas_per_chunk = p.cache.num_kv_heads * (chunked ? 1 : head_chunks_of(p));
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
-  const int splits =
-      chunked ? default_num_splits(busy, ctas_per_chunk, max_context, device_sm_count() * per_sm)
-              : decode_num_splits(p.layout.key_format == KeyFormat::kFp8, busy, ctas_per_chunk, max_context,
-                                  device_sm_count(), per_sm);
+  const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
+  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
+    const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
+    return std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), 128);
+  }
+  if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
+    return std::min(decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context,
+                                      device_sm_count(), decode_rows_resident_ctas(p), 1),
+                    128);
+  }
+  int per_sm = 1;
+  visit_decode_config(p, ResidentCtas{&per_sm});
+  const int busy =
+      p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
+  const int splits = decode_num_splits(fp8, busy, p.cache.num_kv_heads * head_chunks_of(p), max_context,
+                                       device_sm_count(), per_sm, kWarps);
   return std::min(splits, 128);
 }
 
@@ -518,6 +409,8 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
   if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
   if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid z
+  if (decode_rows_supports(p)) return launch_decode_rows(p, stream);
+  if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
   return visit_decode_config(p, LaunchDecode{p, stream});
 }
 

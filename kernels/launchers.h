@@ -95,6 +95,13 @@ cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
 bool decode_chunked_supports(const DecodeParams& p);
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 
+// Plain decodes of token-major caches with KV heads in 8s (decode_rows.cu): one CTA per 8 KV
+// heads stages whole token rows by bulk copies. launch_decode takes it where it supports the shape.
+bool decode_rows_supports(const DecodeParams& p);
+int decode_rows_resident_ctas(const DecodeParams& p);  // CTAs per SM
+int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)
+cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream);
+
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 
 }  // namespace turboquant

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize ab
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
-# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run; DECODE_SHAPE="B HQ HKV L"
+# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH=<file> (step ab: a diff from a
 # base commit to this tree) rebuilds the base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_ROUNDS,
 # default 2; AB_CONTINUATION=0 leaves out the continuation table; AB_STORE=1 adds bench_store.py
-# for 4bit_nc and k8v4); COMMIT=<hash>
+# for 4bit_nc and k8v4); ab_rows times this build's per-head and row-staged decode kernels
+# (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -61,7 +62,7 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
 fi
 if has tests; then
   ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
-  PYTHONPATH=python timeout 420 "$PYTHON" -m pytest ${TESTS:-tests/python} -q -rs -n 12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
+  PYTHONPATH=python timeout "${TESTS_TIMEOUT:-420}" "$PYTHON" -m pytest ${TESTS:-tests/python} -q -rs -n 12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   tail -15 "$OUT/pytest.log"
 fi
 if has sanitize; then
@@ -105,6 +106,19 @@ if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
+fi
+if has ab_rows; then  # the two plain-decode kernels of this build, alternating processes (TURBOQUANT_DECODE_KERNEL)
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for kernel in heads rows; do
+      TURBOQUANT_DECODE_KERNEL=$kernel timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-ab}" \
+        --presets turboquant_4bit_nc turboquant_k8v4 --out "$OUT/ab_rows_$kernel.md" > "$OUT/ab_rows_${kernel}_$round.log" 2>&1 || status=1
+    done
+  done
+  for kernel in heads rows; do echo "== ab_rows: $kernel"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_rows_$kernel.md"; done
+  if has splits; then  # the split sweep again with the per-head kernel (the splits step runs the default)
+    echo "== decode vs splits, per-head kernel"
+    TURBOQUANT_DECODE_KERNEL=heads "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits_heads.md" 2>&1 | tee "$OUT/splits_heads.log" | grep -E "^\|" || status=1
+  fi
 fi
 if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its own build
   base=/tmp/ab_base; rm -rf "$base"; mkdir -p "$base"; out_abs=$(cd "$OUT" && pwd); here=$(pwd)

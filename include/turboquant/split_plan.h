@@ -26,23 +26,27 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
   return splits < 1 ? 1 : splits;
 }
 
-// Splits for the decode kernel (kernels/decode.cu), which fits `resident_per_sm` CTAs per SM.
-// Measured (H200, graph replay, `benchmarks/sweep_splits.py`, benchmarks/RESULTS.md, session 9):
+// Splits for the decode kernels (kernels/decode.cu, decode_rows.cu), which fit `resident_per_sm`
+// CTAs per SM; `warps_per_range` warps divide a split's tiles among them (8 in the per-head
+// kernel; 1 in the row-staged one, whose every warp sees all tiles for its own KV head).
+// Measured (H200, graph replay, `benchmarks/sweep_splits.py`, benchmarks/RESULTS.md, session 9,
+// per-head kernel):
 //   * FP8 keys gain nothing from a second resident CTA (one CTA per SM was 2 % slower at
 //     (32,32,8,8192) with the same grid), so their splits fill one CTA per SM: B=1 L=32k 36.1 ->
 //     33.3 us (16 splits instead of 33), B=2 L=16k 35.8 -> 32.8, B=16 L=8k 98.6 -> 92.6 (1 vs 2);
 //   * Lloyd-Max keys run 16 % faster with two CTAs per SM, but only once each split is long enough
 //     to amortize its set-up (query rotation, pair table) and merge: at B=4 and B=8 (2048 tokens
-//     per split) filling two per SM is 4-5 % faster than one, at B=1 and B=2 (about 1000 tokens
-//     per split) one per SM is 3-5 % faster.
-// So: two per SM only for Lloyd-Max keys whose splits keep at least kMinTokensPerSplitTwoPerSm.
-constexpr int kMinTokensPerSplitTwoPerSm = 2048;
+//     per split, 16 tiles per warp) filling two per SM is 4-5 % faster than one, at B=1 and B=2
+//     (about 1000 tokens per split, 8 tiles per warp) one per SM is 3-5 % faster.
+// So: two per SM only for Lloyd-Max keys whose splits keep each warp kMinTilesPerWarpTwoPerSm tiles.
+constexpr int kMinTilesPerWarpTwoPerSm = 16;
 TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int max_context, int sm_count,
-                            int resident_per_sm) {
+                            int resident_per_sm, int warps_per_range) {
   const int one_per_sm = default_num_splits(batch, ctas_per_split, max_context, sm_count);
   if (fp8_keys || resident_per_sm <= 1) return one_per_sm;
   const int filled = default_num_splits(batch, ctas_per_split, max_context, sm_count * resident_per_sm);
-  return filled > 1 && max_context / filled < kMinTokensPerSplitTwoPerSm ? one_per_sm : filled;
+  const int tiles_per_warp = max_context / filled / (kTokenTile * warps_per_range);
+  return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one_per_sm : filled;
 }
 
 // Token range [begin, end) of split `split` for a sequence of `seq_len` tokens; chunks are whole

@@ -23,19 +23,24 @@ TEST(SplitPlan, NeverBelowMinimumTokensPerSplit) {
 }
 
 TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
-  // 132 SMs, 2 resident decode CTAs each; 8 KV heads x 1 head chunk per sequence.
-  EXPECT_EQ(decode_num_splits(false, 4, 8, 16384, 132, 2), 8);  // 2048 tokens per split: two per SM
-  EXPECT_EQ(decode_num_splits(false, 8, 8, 8192, 132, 2), 4);
-  EXPECT_EQ(decode_num_splits(false, 16, 8, 8192, 132, 2), 2);
-  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 2), 16);  // 33 would be 992 tokens: one per SM
-  EXPECT_EQ(decode_num_splits(false, 2, 8, 16384, 132, 2), 8);
-  EXPECT_EQ(decode_num_splits(false, 32, 8, 8192, 132, 2), 1);  // the grid fills the SMs unsplit
-  EXPECT_EQ(decode_num_splits(false, 1, 8, 1024, 132, 2), 1024 / kMinTokensPerSplit);  // the cap rules
-  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 1), 16);  // one resident CTA: nothing to choose
+  // 132 SMs, 2 resident decode CTAs each. The per-head kernel: 8 KV heads x 1 head chunk per
+  // sequence, 8 warps per split's tiles.
+  EXPECT_EQ(decode_num_splits(false, 4, 8, 16384, 132, 2, 8), 8);  // 2048 tokens per split: two per SM
+  EXPECT_EQ(decode_num_splits(false, 8, 8, 8192, 132, 2, 8), 4);
+  EXPECT_EQ(decode_num_splits(false, 16, 8, 8192, 132, 2, 8), 2);
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 2, 8), 16);  // 33 would be 7 tiles per warp: one per SM
+  EXPECT_EQ(decode_num_splits(false, 2, 8, 16384, 132, 2, 8), 8);
+  EXPECT_EQ(decode_num_splits(false, 32, 8, 8192, 132, 2, 8), 1);  // the grid fills the SMs unsplit
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 1024, 132, 2, 8), 1024 / kMinTokensPerSplit);  // the cap rules
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 1, 8), 16);  // one resident CTA: nothing to choose
   // FP8 keys: always one per SM.
-  EXPECT_EQ(decode_num_splits(true, 1, 8, 32768, 132, 2), 16);
-  EXPECT_EQ(decode_num_splits(true, 4, 8, 16384, 132, 2), 4);
-  EXPECT_EQ(decode_num_splits(true, 16, 8, 8192, 132, 2), 1);
+  EXPECT_EQ(decode_num_splits(true, 1, 8, 32768, 132, 2, 8), 16);
+  EXPECT_EQ(decode_num_splits(true, 4, 8, 16384, 132, 2, 8), 4);
+  EXPECT_EQ(decode_num_splits(true, 16, 8, 8192, 132, 2, 8), 1);
+  // The row-staged kernel: one CTA per 8 KV heads, every warp sees all of its split's tiles.
+  EXPECT_EQ(decode_num_splits(false, 32, 1, 8192, 132, 2, 1), 8);  // 64 tiles per warp
+  EXPECT_EQ(decode_num_splits(false, 1, 1, 4096, 132, 2, 1), 16);  // the 256-token cap: 16 tiles per warp
+  EXPECT_EQ(decode_num_splits(true, 32, 1, 8192, 132, 2, 1), 4);
 }
 
 TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {

@@ -1,0 +1,340 @@
+// Row-staged decode: one CTA per (sequence, 8 consecutive KV heads, split), one warp per KV head.
+//
+// The per-head decode (decode.cu) stages each KV head's 2-byte-aligned slots through 32-byte
+// windows with 16-byte cp.async copies: the L2 sees every slot rounded out to whole sectors, the
+// sectors at head boundaries twice (41 sectors per 8-head token row of 134-byte slots instead of
+// 34), and every lane spends address arithmetic and several copy instructions per tile. In a
+// token-major cache the 8 slots of one token and 8 consecutive KV heads are one contiguous run of
+// 8 x slot bytes, a multiple of 16: here warp 0 copies a whole 16-token tile of those runs with
+// bulk copies (the TMA unit; one per tile when the runs are adjacent, else one per token) into a
+// CTA-wide ring, completing on an mbarrier per stage; each warp then runs the tile math of
+// decode_tile.cuh on its head's slot of each row and frees the stage on a second mbarrier. A warp
+// sees every tile of its split, so it holds its head's whole result at the end: no merge across
+// warps. Selected for plain decodes of token-major caches whose KV heads come in 8s, GQA groups
+// up to 8 and head dims up to 128, on sm_90 builds (decode_rows_supports); TURBOQUANT_DECODE_KERNEL
+// = heads | rows forces a kernel (A/B runs in one build).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "decode_common.cuh"
+#include "decode_tile.cuh"
+#include "device_utils.cuh"
+#include "dispatch.cuh"
+#include "launchers.h"
+#include "turboquant/numeric.h"
+#include "turboquant/split_plan.h"
+
+namespace turboquant {
+namespace {
+
+constexpr int kRowHeads = kDecodeWarps;  // KV heads per CTA, one warp each
+
+template <int D_, bool kFp8Key_, int KB_, int VB_>
+struct RowConfig {
+  static constexpr int D = D_;
+  static constexpr bool kFp8Key = kFp8Key_;
+  static constexpr int KB = kFp8Key_ ? 8 : KB_;
+  static constexpr int VB = VB_;
+  static constexpr SlotLayout kLayout =
+      make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
+  static constexpr int kSlotBytes = kLayout.slot_size_aligned;
+  static constexpr int kRowBytes = kRowHeads * kSlotBytes;  // slots are even: a multiple of 16
+  static constexpr int kTileBytes = kTokenTile * kRowBytes;
+  static constexpr int kStages = 4;  // tiles in flight + the one being read
+  static constexpr int kKSteps = D / 16;
+  static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
+  // Shared memory: [ring (+16: the tile math reads a word past a slot) | query columns, aliased
+  // by the ring] [pair table] [full and empty barriers].
+  static constexpr int kRingBytes = kStages * kTileBytes + 16;
+  static constexpr int kQueryBytes = kColumns * D * 4;
+  static constexpr int kScratchBytes = cdiv(kRingBytes > kQueryBytes ? kRingBytes : kQueryBytes, 128) * 128;
+  static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * 32;
+  static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
+  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
+  static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static_assert(D <= 128, "head dims of the row-staged kernel");
+};
+
+template <class C, typename T>
+__global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const DecodeParams p, const float q_multiplier,
+                                                                        const bool adjacent_rows) {
+  using namespace device;
+  constexpr int D = C::D;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* const ring = smem;
+  uint32_t* const pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOffset);  // a stage's bytes landed
+  uint64_t* const empty = full + C::kStages;                                     // every warp is done with it
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int head_group = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (decode_rows_supports)
+  const int block_size = p.cache.block_size;
+  const int max_context = p.max_blocks_per_seq * block_size;
+  const int seq_len = min(max(p.seq_lens[b], 0), max_context);
+  // The CTA's query heads, kRowHeads * group consecutive ones, as the columns of one token: warp w
+  // owns columns w * group .. w * group + group - 1 (its KV head's group).
+  const QueryColumns columns{QueryChunk{b, b, 1, 0, 1}, kRowHeads * group, head_group * kRowHeads * group, seq_len,
+                             p.num_q_heads};
+  const int first_column = warp * group;
+  const int limit0 = 2 * c < group ? seq_len : 0, limit1 = 2 * c + 1 < group ? seq_len : 0;
+  const TokenRange range = split_token_range(seq_len, p.num_splits, split);
+  const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kDecodeWarps);
+    }
+    fence_mbarrier_init();
+  }
+  // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
+  // that also publishes the mbarriers.
+  float* qs = reinterpret_cast<float*>(ring);  // [kColumns][D]
+  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
+                                                          p.codebook);
+  // Rows past this warp's group hold other warps' columns (or zeros); their scores are masked by
+  // limit 0. The last warp reads at most row 7 * group + 7 < kColumns.
+  uint32_t qf[C::kKSteps][2];
+  query_fragments<D>(qs + first_column * D, g, c, q_multiplier, qf);
+  // The ring reuses qs, and bulk copies (the async proxy) write it: every thread orders its
+  // generic accesses of qs before them, then the barrier.
+  fence_proxy_async_shared();
+  __syncthreads();
+
+  // Block ids, 32 tiles per window: lane i holds the id of tile 32 * window + i (-1 past the
+  // range). Every warp keeps the current window and the next, so neither the producer (up to
+  // kStages - 1 tiles ahead, never more than one window) nor a consumer waits on the block table.
+  const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
+  const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
+  auto tile_start = [&](int tile) { return range.begin + tile * kTokenTile; };
+  auto load_block_ids = [&](int window) -> int {
+    const int tile = window * 32 + lane;
+    return tile < num_tiles ? block_row[tile_start(tile) >> block_shift] : -1;
+  };
+  int ids = load_block_ids(0), next_ids = load_block_ids(1);
+  auto block_ok = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
+
+  // Warp 0 issues tile t into stage t % kStages once every warp has freed it (tile t - kStages).
+  // The expected bytes are announced before any copy is issued; a tile whose block id is outside
+  // the cache copies nothing and completes its phase on the arrival alone (its rows are masked).
+  const int64_t head_group_offset = static_cast<int64_t>(head_group) * C::kRowBytes;
+  auto produce = [&](int t, int window_ids) {
+    const int stage = t % C::kStages;
+    const int block = __shfl_sync(kFullMask, window_ids, t & 31);
+    if (t >= C::kStages) {
+      if (lane == 0) mbarrier_wait(&empty[stage], ((t / C::kStages) - 1) & 1);
+      __syncwarp();
+    }
+    const bool ok = block_ok(block);
+    if (lane == 0) mbarrier_arrive_expect_bytes(&full[stage], ok ? C::kTileBytes : 0);
+    __syncwarp();
+    if (!ok) return;
+    const uint8_t* src = p.cache.data + block * p.cache.stride_block +
+                         (tile_start(t) & (block_size - 1)) * p.cache.stride_token + head_group_offset;
+    uint8_t* dst = ring + stage * C::kTileBytes;
+    if (adjacent_rows) {
+      if (lane == 0) bulk_copy_to_shared(dst, src, C::kTileBytes, &full[stage]);
+    } else if (lane < kTokenTile) {
+      bulk_copy_to_shared(dst + lane * C::kRowBytes, src + lane * p.cache.stride_token, C::kRowBytes, &full[stage]);
+    }
+  };
+  if (warp == 0) {
+    for (int t = 0; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
+  }
+
+  const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
+  const uint32_t lane_bytes = lane * 4u;  // this lane's bank of the replicated table
+  TileAttention<C::kKSteps> st;
+  const uint8_t* const my_slots = ring + warp * C::kSlotBytes;  // this warp's head in every row
+  for (int it = 0; it < num_tiles; ++it) {
+    if ((it & 31) == 0 && it > 0) {  // CTA-uniform: the next window of block ids
+      ids = next_ids;
+      next_ids = load_block_ids((it >> 5) + 1);
+    }
+    const int t = it + C::kStages - 1;
+    if (warp == 0 && t < num_tiles) produce(t, (t >> 5) == (it >> 5) ? ids : next_ids);
+
+    const int stage = it % C::kStages;
+    mbarrier_wait(&full[stage], (it / C::kStages) & 1);
+    const uint8_t* rows = my_slots + stage * C::kTileBytes;
+    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes; };
+    const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
+    const int pos_lo = tile_start(it) + g;
+    attend_tile<C>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end, limit0, limit1,
+                   table_bytes, lane_bytes, qf, st);
+    __syncwarp();  // every lane's reads of the stage are done
+    if (lane == 0) mbarrier_arrive(&empty[stage]);
+  }
+
+  allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
+
+  // ---- this warp's columns are complete for the split: (acc + z) / l, or the partial and its
+  // log-sum-exp (log2 domain) for the merge.
+  sum_over_column_lanes(st.l);
+  sum_over_column_lanes(st.z);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int col = 2 * c + k;  // MMA column: this warp's group head
+    if (col >= group) continue;
+    const int64_t row = columns.row(first_column + col);
+    const bool any = st.m[k] != -INFINITY;
+    const float inv = any ? 1.0f / st.l[k] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < C::kKSteps; ++i) {
+      const int d = g * (D / 8) + 2 * i;
+      const float o0 = any ? (st.acc[i][k] + st.z[k]) * inv : 0.0f;
+      const float o1 = any ? (st.acc[i][2 + k] + st.z[k]) * inv : 0.0f;
+      if (p.num_splits == 1) {
+        T* out = static_cast<T*>(p.out) + row * D + d;
+        out[0] = from_float<T>(o0);
+        out[1] = from_float<T>(o1);
+      } else {
+        float* out = p.partial_out + (row * p.num_splits + split) * D + d;
+        *reinterpret_cast<float2*>(out) = make_float2(o0, o1);
+      }
+    }
+    if (p.num_splits > 1 && g == 0) {
+      p.partial_lse[row * p.num_splits + split] = any ? st.m[k] + log2f(st.l[k]) : -INFINITY;
+    }
+  }
+}
+
+// Once per instantiation (and process): opt in to the shared memory it needs.
+template <class C, typename T>
+cudaError_t prepare_rows_kernel() {
+  static const cudaError_t status =
+      cudaFuncSetAttribute(decode_rows_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  return status;
+}
+
+// Whether the build holds sm_90 code for the kernel (its bulk copies and barriers compile to
+// traps for older targets, and a PTX-only build JIT-compiled for an H200 would run those).
+template <class C, typename T>
+bool built_for_sm90() {
+  static const bool built = [] {
+    cudaFuncAttributes attributes{};
+    return cudaFuncGetAttributes(&attributes, decode_rows_kernel<C, T>) == cudaSuccess &&
+           attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
+  }();
+  return built;
+}
+
+// Visitors over the row kernel's configurations (D <= 128: the others report unsupported).
+struct RowsBuilt {
+  bool* built;
+  template <class C, typename T>
+  cudaError_t run() const {
+    *built = built_for_sm90<C, T>();
+    return cudaSuccess;
+  }
+};
+
+struct RowsResidentCtas {
+  int* per_sm;
+  template <class C, typename T>
+  cudaError_t run() const {
+    static const int n = [] {
+      int blocks = 0;
+      if (prepare_rows_kernel<C, T>() != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_rows_kernel<C, T>, kDecodeThreads,
+                                                        C::kSmemBytes) != cudaSuccess) {
+        return 1;
+      }
+      return blocks > 0 ? blocks : 1;
+    }();
+    *per_sm = n;
+    return cudaSuccess;
+  }
+};
+
+struct LaunchRows {
+  const DecodeParams& p;
+  cudaStream_t stream;
+  template <class C, typename T>
+  cudaError_t run() const {
+    cudaError_t err = prepare_rows_kernel<C, T>();
+    if (err != cudaSuccess) return err;
+    const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
+    const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;
+    const dim3 grid(p.cache.num_kv_heads / kRowHeads, p.num_splits, p.batch);
+    decode_rows_kernel<C, T><<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
+    err = cudaGetLastError();
+    if (err != cudaSuccess || p.num_splits == 1) return err;
+    return launch_decode_merge(p, stream);
+  }
+};
+
+template <class Visit>
+struct AsRowConfig {
+  const Visit& visit;
+  template <typename T, int D, int kKeyBits, int kValueBits>
+  cudaError_t run() const {
+    if constexpr (D > 128) {
+      return cudaErrorNotSupported;
+    } else {
+      return visit.template run<RowConfig<D, kKeyBits == 8, kKeyBits, kValueBits>, T>();
+    }
+  }
+};
+
+template <class Visit>
+cudaError_t visit_rows_config(const DecodeParams& p, const Visit& visit) {
+  if (!cuda_supports_head_dim(p.layout) || p.layout.head_dim > 128) return cudaErrorNotSupported;
+  const AsRowConfig<Visit> as_config{visit};
+  const VisitPresetBits<AsRowConfig<Visit>> preset{p.layout, as_config};
+  switch (p.dtype) {
+    case ElementType::kHalf: return dispatch_head_dim<__half>(p.layout, preset);
+    case ElementType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p.layout, preset);
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace
+
+// TURBOQUANT_DECODE_KERNEL=heads|rows, read once per process: 0 by shape, 1 the per-head kernel,
+// 2 the row-staged kernel for every plain decode (launch_decode fails where it cannot serve one,
+// so a test run with it forced proves which kernel ran).
+int forced_decode_kernel() {
+  static const int forced = [] {
+    const char* v = std::getenv("TURBOQUANT_DECODE_KERNEL");
+    if (v == nullptr) return 0;
+    const std::string kernel(v);
+    if (kernel == "heads") return 1;
+    if (kernel == "rows") return 2;
+    std::fprintf(stderr, "turboquant: TURBOQUANT_DECODE_KERNEL=%s ignored (expected heads or rows)\n", v);
+    return 0;
+  }();
+  return forced;
+}
+
+bool decode_rows_supports(const DecodeParams& p) {
+  if (forced_decode_kernel() == 1) return false;
+  const CacheView& c = p.cache;
+  if (p.query_start_loc != nullptr || c.num_kv_heads % kRowHeads != 0) return false;
+  if (p.num_q_heads % c.num_kv_heads != 0 || p.num_q_heads / c.num_kv_heads > kDecodeColumns) return false;
+  // Token-major with a token's KV heads adjacent; bulk copies need 16-byte aligned sources.
+  if (c.stride_head != p.layout.slot_size_aligned || c.stride_token % 16 != 0 || c.stride_block % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(c.data) % 16 != 0 || c.block_size % kTokenTile != 0) {
+    return false;
+  }
+  bool built = false;
+  return visit_rows_config(p, RowsBuilt{&built}) == cudaSuccess && built;
+}
+
+int decode_rows_resident_ctas(const DecodeParams& p) {
+  int per_sm = 1;
+  visit_rows_config(p, RowsResidentCtas{&per_sm});
+  return per_sm;
+}
+
+cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream) {
+  return visit_rows_config(p, LaunchRows{p, stream});
+}
+
+}  // namespace turboquant

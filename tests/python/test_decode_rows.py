@@ -1,0 +1,141 @@
+"""The row-staged CUDA decode (kernels/decode_rows.cu: one CTA per 8 KV heads, whole token rows by
+bulk copies) against the CPU reference, on the shapes it serves: plain decodes of token-major
+caches with KV heads in 8s, GQA groups up to 8, head dims up to 128. launch_decode picks it by
+shape; test_each_decode_kernel_passes_these_tests reruns the file with each kernel forced
+(TURBOQUANT_DECODE_KERNEL, read once per process; "rows" fails a decode it cannot serve), so the
+row kernel provably ran and the per-head kernel sees the same shapes. Skipped without a GPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import turboquant as tq
+from conftest import requires_cuda
+from helpers import make_paged_batch
+from reference import rel_err
+
+pytestmark = requires_cuda
+
+PRESETS = list(tq.PRESETS)
+SEQ_LENS = [0, 1, 17, 300, 1000, 64]
+
+
+def _poisoned_decode(q, cache, bt, sl, preset, scale, splits):
+    """The CUDA decode with NaN left in the allocator's next block of the output's size, so an
+    element the kernel forgets to write cannot pass."""
+    junk = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    del junk
+    return tq.decode(q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), preset, scale, splits).cpu()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 5, 0])
+def test_rows_decode_matches_cpu(preset, head_dim, group, num_splits):
+    heads = 8
+    cache, bt, sl, _, _ = make_paged_batch(SEQ_LENS, 16, heads, head_dim, preset, seed=group + head_dim)
+    q = torch.randn(len(SEQ_LENS), heads * group, head_dim).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, num_splits)
+    out = _poisoned_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
+    assert not out.isnan().any()
+    assert (out[0] == 0).all()  # seq_len 0
+    assert rel_err(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("kv_heads", [16, 24])
+def test_rows_decode_several_head_groups(preset, kv_heads):
+    """More than 8 KV heads: several CTAs per token row, each copying its 8 heads' run of every
+    row (rows not adjacent: one bulk copy per token)."""
+    cache, bt, sl, _, _ = make_paged_batch([333, 40, 1], 16, kv_heads, 128, preset, seed=kv_heads)
+    q = torch.randn(3, kv_heads * 4, 128).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 3)
+    for splits in (1, 3, 0):
+        out = _poisoned_decode(q, cache, bt, sl, preset, 0.1, splits)
+        assert rel_err(out, ref) <= 2e-3, splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_rows_decode_dtypes_block_sizes(dtype, block_size):
+    """Tiles at every offset inside larger blocks, both query types."""
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([700, 5, 129, 2000], block_size, 8, 128, preset, seed=block_size)
+    q = torch.randn(4, 32, 128).to(dtype)
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 0.09, 3)
+    for splits in (1, 3, 0):
+        out = _poisoned_decode(q, cache, bt, sl, preset, 0.09, splits)
+        assert out.dtype == dtype
+        assert rel_err(out.float(), ref) <= 2e-3, splits
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_rows_decode_masks_block_ids_outside_the_cache(preset):
+    """Block ids past the cache or negative: those tiles copy nothing and every score in them is
+    masked (on both devices), and nothing outside the cache is read."""
+    cache, bt, sl, _, _ = make_paged_batch([90, 40], 16, 8, 128, preset)
+    bt = torch.cat([bt, torch.full((2, 2), -7, dtype=torch.int32)], dim=1)
+    bt[0, 2] = 1 << 30
+    sl = torch.tensor([90, 70], dtype=torch.int32)
+    q = torch.randn(2, 32, 128).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 2)
+    for splits in (1, 2):
+        out = _poisoned_decode(q, cache, bt, sl, preset, 0.1, splits)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) <= 2e-3, splits
+
+
+def test_rows_decode_graph_replay_follows_new_lengths():
+    """The grid depends only on shapes: a captured decode replays with new seq_lens and queries."""
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([500, 260], 16, 8, 128, preset, seed=3)
+    cache, bt = cache.cuda(), bt.cuda()
+    q = torch.randn(2, 32, 128, device="cuda").half()
+    lens = sl.cuda()
+    tq.decode(q, cache, bt, lens, preset, 0.1)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tq.decode(q, cache, bt, lens, preset, 0.1)
+    for new_lens in ([500, 260], [3, 259], [480, 0]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.copy_(torch.randn(2, 32, 128).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = tq.decode(q, cache, bt, lens, preset, 0.1)
+        assert rel_err(out.float().cpu(), want.float().cpu()) <= 1e-3, new_lens
+
+
+@pytest.mark.parametrize("kernel", ["rows", "heads"])
+def test_each_decode_kernel_passes_these_tests(kernel):
+    env = dict(os.environ, TURBOQUANT_DECODE_KERNEL=kernel)
+    select = "not each_decode_kernel"
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":  # compute-sanitizer runs (gpu_run.sh):
+        select += " and not graph"  # without the caching allocator a capture would cudaMalloc
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def test_forced_rows_kernel_refuses_a_shape_it_cannot_serve():
+    """With TURBOQUANT_DECODE_KERNEL=rows a decode the row kernel cannot serve (4 KV heads) fails
+    with a clear error instead of silently running the other kernel."""
+    script = (
+        "import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+        "import torch, turboquant as tq\n"
+        "from helpers import make_paged_batch\n"
+        "cache, bt, sl, _, _ = make_paged_batch([50], 16, 4, 128, 'turboquant_4bit_nc')\n"
+        "q = torch.randn(1, 16, 128).half().cuda()\n"
+        "try:\n"
+        "    tq.decode(q, cache.cuda(), bt.cuda(), sl.cuda(), 'turboquant_4bit_nc', 0.1)\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+    ) % (os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"),
+         os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TURBOQUANT_DECODE_KERNEL="rows"),
+                            capture_output=True, text=True)
+    assert "refused:" in result.stdout and "operation not supported" in result.stdout, result.stdout + result.stderr
