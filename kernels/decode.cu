@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   stage_query_columns<D, kHeads, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query),
                                                                columns, p.codebook);
   uint32_t qf[C::kKSteps][2];  // B fragments of Q^T (decode_tile.cuh)
-  device::query_fragments<D>(qs, g, c, q_multiplier, qf);
+  device::query_fragments<D, C::KB>(qs, g, c, q_multiplier, qf);
   __syncthreads();  // the ring reuses qs
 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)

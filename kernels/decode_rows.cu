@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "decode_common.cuh"
 #include "decode_tile.cuh"
@@ -100,8 +101,15 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
                                                           p.codebook);
   // Rows past this warp's group hold other warps' columns (or zeros); their scores are masked by
   // limit 0. The last warp reads at most row 7 * group + 7 < kColumns.
+  // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
+  // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
+  const int slot_misalign = (warp * C::kSlotBytes) & 3;
   uint32_t qf[C::kKSteps][2];
-  query_fragments<D>(qs + first_column * D, g, c, q_multiplier, qf);
+  if (slot_misalign == 0) {
+    query_fragments<D, C::KB, 0>(qs + first_column * D, g, c, q_multiplier, qf);
+  } else {
+    query_fragments<D, C::KB, 2>(qs + first_column * D, g, c, q_multiplier, qf);
+  }
   // The ring reuses qs, and bulk copies (the async proxy) write it: every thread orders its
   // generic accesses of qs before them, then the barrier.
   fence_proxy_async_shared();
@@ -152,24 +160,35 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   const uint32_t lane_bytes = lane * 4u;  // this lane's bank of the replicated table
   TileAttention<C::kKSteps> st;
   const uint8_t* const my_slots = ring + warp * C::kSlotBytes;  // this warp's head in every row
-  for (int it = 0; it < num_tiles; ++it) {
-    if ((it & 31) == 0 && it > 0) {  // CTA-uniform: the next window of block ids
-      ids = next_ids;
-      next_ids = load_block_ids((it >> 5) + 1);
-    }
-    const int t = it + C::kStages - 1;
-    if (warp == 0 && t < num_tiles) produce(t, (t >> 5) == (it >> 5) ? ids : next_ids);
+  // The tile loop for slots at kMisalign mod 4 (one instantiation per offset a warp can have).
+  auto tile_loop = [&](auto misalign) {
+    constexpr int kMisalign = decltype(misalign)::value;
+    for (int it = 0; it < num_tiles; ++it) {
+      if ((it & 31) == 0 && it > 0) {  // CTA-uniform: the next window of block ids
+        ids = next_ids;
+        next_ids = load_block_ids((it >> 5) + 1);
+      }
+      const int t = it + C::kStages - 1;
+      if (warp == 0 && t < num_tiles) produce(t, (t >> 5) == (it >> 5) ? ids : next_ids);
 
-    const int stage = it % C::kStages;
-    mbarrier_wait(&full[stage], (it / C::kStages) & 1);
-    const uint8_t* rows = my_slots + stage * C::kTileBytes;
-    auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes; };
-    const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
-    const int pos_lo = tile_start(it) + g;
-    attend_tile<C>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end, limit0, limit1,
-                   table_bytes, lane_bytes, qf, st);
-    __syncwarp();  // every lane's reads of the stage are done
-    if (lane == 0) mbarrier_arrive(&empty[stage]);
+      const int stage = it % C::kStages;
+      mbarrier_wait(&full[stage], (it / C::kStages) & 1);
+      const uint8_t* rows = my_slots + stage * C::kTileBytes;
+      auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes; };
+      const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
+      const int pos_lo = tile_start(it) + g;
+      attend_tile<C, kMisalign>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
+                                limit0, limit1, table_bytes, lane_bytes, qf, st);
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) mbarrier_arrive(&empty[stage]);
+    }
+  };
+  if constexpr (C::kSlotBytes % 4 == 0) {
+    tile_loop(std::integral_constant<int, 0>{});
+  } else if (slot_misalign == 0) {  // warp-uniform
+    tile_loop(std::integral_constant<int, 0>{});
+  } else {
+    tile_loop(std::integral_constant<int, 2>{});
   }
 
   allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
@@ -187,7 +206,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
     const float inv = any ? 1.0f / st.l[k] : 0.0f;
 #pragma unroll
     for (int i = 0; i < C::kKSteps; ++i) {
-      const int d = g * (D / 8) + 2 * i;
+      const int d = 2 * value_pair(g, i, D, C::VB, value_misalign(slot_misalign, C::kLayout.value_data_offset));
       const float o0 = any ? (st.acc[i][k] + st.z[k]) * inv : 0.0f;
       const float o1 = any ? (st.acc[i][2 + k] + st.z[k]) * inv : 0.0f;
       if (p.num_splits == 1) {

@@ -4,8 +4,9 @@
 //   * S^T = K~ Q^T on tensor cores (mma m16n8k16: tokens are the M dimension, columns the N),
 //     with A fragments dequantized straight into registers: a pair of Lloyd-Max indices indexes a
 //     bank-replicated half2 table (addressed in bytes, two ALU ops per lookup), FP8 pairs use the
-//     hardware e4m3x2 -> f16x2 conversion. The head dim is permuted so that each thread reads one
-//     contiguous chunk of the slot; the query fragments use the same permutation;
+//     hardware e4m3x2 -> f16x2 conversion. The head dim is permuted (turboquant/fragment_order.h:
+//     contiguous runs per thread, or interleaved words where the slot alignment is known); the
+//     query fragments use the same permutation;
 //   * scores times the stored norm, online softmax in the log2 domain;
 //   * O^T += V^T (P*scale)^T on tensor cores with the raw integer value codes as A
 //     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) q_t + sum_t p_t z_t), P transposed in
@@ -16,6 +17,7 @@
 
 #include "decode_common.cuh"
 #include "device_utils.cuh"
+#include "turboquant/fragment_order.h"
 
 namespace turboquant {
 
@@ -35,17 +37,23 @@ struct TileFragments {
 namespace device {
 
 // B fragments of Q^T from the fp32 query rows of the warp's 8 columns (row j: column j, rotated
-// for Lloyd-Max keys): logical k (2c, 2c+1 | 2c+8, 2c+9) of step j = physical dims
-// c*D/4 + 4j + (0,1 | 2,3), the permutation of the key chunks.
-template <int D>
+// for Lloyd-Max keys), in the key order of turboquant/fragment_order.h: logical k (2c, 2c+1 |
+// 2c+8, 2c+9) of step j = physical dims 4q + (0,1 | 2,3), q = key_quad(c, j).
+template <int D, int KB, int kSlotMisalign = kUnknownMisalign>
 __device__ __forceinline__ void query_fragments(const float* columns, int g, int c, float q_multiplier,
                                                 uint32_t (&qf)[D / 16][2]) {
 #pragma unroll
   for (int j = 0; j < D / 16; ++j) {
-    const float* r = columns + g * D + c * (D / 4) + 4 * j;
+    const float* r = columns + g * D + 4 * key_quad(c, j, D, KB, kSlotMisalign);
     qf[j][0] = pack_half2(r[0] * q_multiplier, r[1] * q_multiplier);
     qf[j][1] = pack_half2(r[2] * q_multiplier, r[3] * q_multiplier);
   }
+}
+
+// load_interleaved_words (fragment_order.h) of the region at `region` (kMisalign = its address mod 4).
+template <int kMisalign, int kStride, int R, int NW>
+__device__ __forceinline__ void load_region_words(const uint8_t* region, int index, uint32_t (&out)[NW]) {
+  load_interleaved_words<kMisalign, kStride, R>(reinterpret_cast<const uint32_t*>(region - kMisalign), index, out);
 }
 
 // A warp's running attention state for its 8 columns: thread (g, c) holds the statistics of
@@ -63,10 +71,11 @@ struct TileAttention {
 };
 
 // The tile step: slot_ptr(r) is row r's slot in shared memory (2-byte aligned, one readable word
-// past its end); tokens g and g + 8 of the tile are at positions pos_lo and pos_lo + 8 and count
+// past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
+// picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the tile are at positions pos_lo and pos_lo + 8 and count
 // when valid_lo / valid_hi and below the column's limit (limit0, limit1: columns 2c, 2c + 1).
 // Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
-template <class S, class SlotPtr>
+template <class S, int kSlotMisalign = kUnknownMisalign, class SlotPtr>
 __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo, bool valid_lo, bool valid_hi,
                                             int limit0, int limit1, const uint8_t* table_bytes, uint32_t lane_bytes,
                                             const uint32_t (&qf)[S::D / 16][2],
@@ -81,8 +90,14 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
 
   // S^T = K~ Q^T for tokens g, g+8 and columns 2c, 2c+1
   uint32_t key_lo[F::kKeyWords], key_hi[F::kKeyWords];
-  load_unaligned_words(slot_lo + c * F::kKeyChunkBytes, key_lo);
-  load_unaligned_words(slot_hi + c * F::kKeyChunkBytes, key_hi);
+  if constexpr (keys_interleaved(S::KB, kSlotMisalign)) {
+    constexpr int kRegionWords = S::D * S::KB / 32;
+    load_region_words<kSlotMisalign, 4, kRegionWords>(slot_lo, c, key_lo);
+    load_region_words<kSlotMisalign, 4, kRegionWords>(slot_hi, c, key_hi);
+  } else {
+    load_unaligned_words(slot_lo + c * F::kKeyChunkBytes, key_lo);
+    load_unaligned_words(slot_hi + c * F::kKeyChunkBytes, key_hi);
+  }
   // Two accumulators halve the chain of dependent MMAs.
   float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) {
@@ -134,11 +149,21 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
 
   // O^T += V^T B with raw codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
   uint32_t vw[4][F::kValueWords];
-  const int value_at = kLayout.value_data_offset + g * F::kValueChunkBytes;
-  load_unaligned_words(slot_ptr(2 * c) + value_at, vw[0]);
-  load_unaligned_words(slot_ptr(2 * c + 1) + value_at, vw[1]);
-  load_unaligned_words(slot_ptr(2 * c + 8) + value_at, vw[2]);
-  load_unaligned_words(slot_ptr(2 * c + 9) + value_at, vw[3]);
+  if constexpr (values_interleaved(S::VB, kSlotMisalign)) {
+    constexpr int kMisalign = value_misalign(kSlotMisalign, kLayout.value_data_offset);
+    constexpr int kRegionWords = S::D * S::VB / 32;
+    const int at = kLayout.value_data_offset;
+    load_region_words<kMisalign, 8, kRegionWords>(slot_ptr(2 * c) + at, g, vw[0]);
+    load_region_words<kMisalign, 8, kRegionWords>(slot_ptr(2 * c + 1) + at, g, vw[1]);
+    load_region_words<kMisalign, 8, kRegionWords>(slot_ptr(2 * c + 8) + at, g, vw[2]);
+    load_region_words<kMisalign, 8, kRegionWords>(slot_ptr(2 * c + 9) + at, g, vw[3]);
+  } else {
+    const int value_at = kLayout.value_data_offset + g * F::kValueChunkBytes;
+    load_unaligned_words(slot_ptr(2 * c) + value_at, vw[0]);
+    load_unaligned_words(slot_ptr(2 * c + 1) + value_at, vw[1]);
+    load_unaligned_words(slot_ptr(2 * c + 8) + value_at, vw[2]);
+    load_unaligned_words(slot_ptr(2 * c + 9) + value_at, vw[3]);
+  }
 #pragma unroll
   for (int i = 0; i < F::kKSteps; ++i) {
     uint32_t a0, a1, a2, a3;
