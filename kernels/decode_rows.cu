@@ -57,7 +57,7 @@ struct RowConfig {
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
-  static_assert(D <= 128, "head dims of the row-staged kernel");
+  static_assert(D <= 128 && D % 64 == 0, "head dims of the row-staged kernel");
 };
 
 template <class C, typename T>
@@ -249,7 +249,8 @@ struct RowsBuilt {
   bool* built;
   template <class C, typename T>
   cudaError_t run() const {
-    *built = built_for_sm90<C, T>();
+    // ... and the device grants its shared memory (a smaller per-block limit fails the opt-in).
+    *built = built_for_sm90<C, T>() && prepare_rows_kernel<C, T>() == cudaSuccess;
     return cudaSuccess;
   }
 };
@@ -294,7 +295,7 @@ struct AsRowConfig {
   const Visit& visit;
   template <typename T, int D, int kKeyBits, int kValueBits>
   cudaError_t run() const {
-    if constexpr (D > 128) {
+    if constexpr (D > 128 || D % 64 != 0) {  // D = 96 (FP8 keys): no whole rounds of interleaved value words
       return cudaErrorNotSupported;
     } else {
       return visit.template run<RowConfig<D, kKeyBits == 8, kKeyBits, kValueBits>, T>();
@@ -304,7 +305,9 @@ struct AsRowConfig {
 
 template <class Visit>
 cudaError_t visit_rows_config(const DecodeParams& p, const Visit& visit) {
-  if (!cuda_supports_head_dim(p.layout) || p.layout.head_dim > 128) return cudaErrorNotSupported;
+  if (!cuda_supports_head_dim(p.layout) || p.layout.head_dim > 128 || p.layout.head_dim % 64 != 0) {
+    return cudaErrorNotSupported;
+  }
   const AsRowConfig<Visit> as_config{visit};
   const VisitPresetBits<AsRowConfig<Visit>> preset{p.layout, as_config};
   switch (p.dtype) {
@@ -332,8 +335,13 @@ int forced_decode_kernel() {
   return forced;
 }
 
+// Whether launch_decode takes the row kernel where it can without being told to (until it is
+// measured against the per-head kernel: benchmarks/RESULTS.md).
+constexpr bool kRowKernelByDefault = false;
+
 bool decode_rows_supports(const DecodeParams& p) {
-  if (forced_decode_kernel() == 1) return false;
+  const int forced = forced_decode_kernel();
+  if (forced == 1 || (forced == 0 && !kRowKernelByDefault)) return false;
   const CacheView& c = p.cache;
   if (p.query_start_loc != nullptr || c.num_kv_heads % kRowHeads != 0) return false;
   if (p.num_q_heads % c.num_kv_heads != 0 || p.num_q_heads / c.num_kv_heads > kDecodeColumns) return false;

@@ -90,7 +90,7 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
 
   // S^T = K~ Q^T for tokens g, g+8 and columns 2c, 2c+1
   uint32_t key_lo[F::kKeyWords], key_hi[F::kKeyWords];
-  if constexpr (keys_interleaved(S::KB, kSlotMisalign)) {
+  if constexpr (keys_interleaved(S::KB, kSlotMisalign, S::D)) {
     constexpr int kRegionWords = S::D * S::KB / 32;
     load_region_words<kSlotMisalign, 4, kRegionWords>(slot_lo, c, key_lo);
     load_region_words<kSlotMisalign, 4, kRegionWords>(slot_hi, c, key_hi);
@@ -149,7 +149,7 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
 
   // O^T += V^T B with raw codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
   uint32_t vw[4][F::kValueWords];
-  if constexpr (values_interleaved(S::VB, kSlotMisalign)) {
+  if constexpr (values_interleaved(S::VB, kSlotMisalign, S::D)) {
     constexpr int kMisalign = value_misalign(kSlotMisalign, kLayout.value_data_offset);
     constexpr int kRegionWords = S::D * S::VB / 32;
     const int at = kLayout.value_data_offset;

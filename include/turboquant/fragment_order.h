@@ -29,11 +29,14 @@ namespace turboquant {
 
 constexpr int kUnknownMisalign = -1;  // the slot's offset mod 4 is not known: contiguous order
 
-TQ_HD constexpr bool keys_interleaved(int key_bits, int slot_misalign) {
-  return (key_bits == 4 && slot_misalign >= 0) || (key_bits == 8 && slot_misalign == 0);
+// Interleaved words need whole rounds of them: D/32 key words per thread for 4-bit keys (D a
+// multiple of 32), D/16 for FP8, D/64 value words per thread (D a multiple of 64; D = 96 keeps
+// the contiguous value order).
+TQ_HD constexpr bool keys_interleaved(int key_bits, int slot_misalign, int head_dim) {
+  return head_dim % 32 == 0 && ((key_bits == 4 && slot_misalign >= 0) || (key_bits == 8 && slot_misalign == 0));
 }
-TQ_HD constexpr bool values_interleaved(int value_bits, int slot_misalign) {
-  return value_bits == 4 && slot_misalign >= 0;
+TQ_HD constexpr bool values_interleaved(int value_bits, int slot_misalign, int head_dim) {
+  return head_dim % 64 == 0 && value_bits == 4 && slot_misalign >= 0;
 }
 // Offset mod 4 of the value codes of a slot at offset slot_misalign mod 4.
 TQ_HD constexpr int value_misalign(int slot_misalign, int value_data_offset) {
@@ -43,7 +46,7 @@ TQ_HD constexpr int value_misalign(int slot_misalign, int value_data_offset) {
 // Key dims 4q .. 4q + 3 feed k-step j of thread c: a0/a1 dims 4q, 4q + 1 and a2/a3 dims 4q + 2,
 // 4q + 3 (turboquant's key codes are little-endian bit streams in dim order).
 TQ_HD constexpr int key_quad(int c, int j, int head_dim, int key_bits, int slot_misalign) {
-  if (!keys_interleaved(key_bits, slot_misalign)) return c * (head_dim / 16) + j;
+  if (!keys_interleaved(key_bits, slot_misalign, head_dim)) return c * (head_dim / 16) + j;
   if (key_bits == 8) return c + 4 * j;  // word c + 4j: one k-step
   // 4-bit: halfword (j & 1) of word j / 2, i.e. halfword 2 (c + 4 (j / 2)) + (j & 1), one back
   // when the region starts 2 bytes off a word (modulo its D / 4 halfwords: the wrapped first one).
@@ -55,7 +58,7 @@ TQ_HD constexpr int key_quad(int c, int j, int head_dim, int key_bits, int slot_
 // Value dims 2p (MMA row g) and 2p + 1 (row g + 8) feed value MMA i of thread g; for 4-bit codes
 // p is the byte that holds both.
 TQ_HD constexpr int value_pair(int g, int i, int head_dim, int value_bits, int misalign) {
-  if (!values_interleaved(value_bits, misalign)) return g * (head_dim / 16) + i;
+  if (!values_interleaved(value_bits, misalign, head_dim)) return g * (head_dim / 16) + i;
   const int bytes = head_dim / 2;
   const int b = 4 * (g + 8 * (i / 4)) + (i & 3) - (misalign == 2 ? 2 : 0);
   return (b + bytes) % bytes;

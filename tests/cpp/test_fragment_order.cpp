@@ -12,7 +12,7 @@ namespace turboquant {
 namespace {
 
 TEST(FragmentOrder, KeyQuadsArePermutations) {
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (int bits : {3, 4, 8}) {
       for (int misalign : {kUnknownMisalign, 0, 2}) {
         std::vector<int> seen(d / 4, 0);
@@ -31,7 +31,7 @@ TEST(FragmentOrder, KeyQuadsArePermutations) {
 }
 
 TEST(FragmentOrder, ValuePairsArePermutations) {
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (int bits : {3, 4}) {
       for (int misalign : {kUnknownMisalign, 0, 2}) {
         std::vector<int> seen(d / 2, 0);
@@ -129,6 +129,7 @@ TEST(FragmentOrder, InterleavedWordsHoldTheNamedBytes) {
     check_four_bit_values<256>(misalign);
   }
   check_fp8_keys<64>();
+  check_fp8_keys<96>();
   check_fp8_keys<128>();
 }
 
@@ -139,6 +140,7 @@ TEST(FragmentOrder, ContiguousOrderIsThePerThreadRun) {
   EXPECT_EQ(key_quad(1, 0, 128, 8, 2), 8);  // FP8 keys off a word keep it too
   EXPECT_EQ(value_pair(5, 7, 128, 4, kUnknownMisalign), 5 * 8 + 7);
   EXPECT_EQ(value_pair(5, 7, 128, 3, 0), 5 * 8 + 7);  // 3-bit values keep it
+  EXPECT_EQ(value_pair(5, 4, 96, 4, 0), 5 * 6 + 4);   // D = 96: 12 value words, no whole rounds of 8
 }
 
 }  // namespace

@@ -103,8 +103,9 @@ def test_decode_matches_cpu(preset, head_dim, group, num_splits):
     cache, bt, sl, _, _ = make_paged_batch(SEQ_LENS, 16, heads, head_dim, preset, seed=group + head_dim)
     q = torch.randn(len(SEQ_LENS), heads * group, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, num_splits)
+    args = [t.cuda() for t in (q, cache, bt, sl)]  # before the poison: the output is its next taker
     _poison_allocator(q.shape, q.dtype)
-    out = tq.decode(q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), preset, head_dim ** -0.5, num_splits).cpu()
+    out = tq.decode(*args, preset, head_dim ** -0.5, num_splits).cpu()
     assert not out.isnan().any()
     assert (out[0] == 0).all()
     assert rel_err(out, ref) <= 2e-3
@@ -121,8 +122,9 @@ def test_decode_merges_many_splits(head_dim, num_splits):
     cache, bt, sl, _, _ = make_paged_batch([4000, 1, 40], 16, 2, head_dim, preset, seed=num_splits)
     q = torch.randn(3, 8, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
+    args = [t.cuda() for t in (q, cache, bt, sl)]
     _poison_allocator(q.shape, q.dtype)
-    out = tq.decode(q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), preset, head_dim ** -0.5, num_splits).cpu()
+    out = tq.decode(*args, preset, head_dim ** -0.5, num_splits).cpu()
     assert not out.isnan().any()
     assert rel_err(out, ref) <= 2e-3
 

@@ -24,16 +24,18 @@ SEQ_LENS = [0, 1, 17, 300, 1000, 64]
 
 
 def _poisoned_decode(q, cache, bt, sl, preset, scale, splits):
-    """The CUDA decode with NaN left in the allocator's next block of the output's size, so an
-    element the kernel forgets to write cannot pass."""
+    """The CUDA decode with NaN left in the allocator's next block of the output's size (the
+    inputs are on the GPU first, so the output is the next allocation of that size), so an element
+    the kernel forgets to write cannot pass."""
+    args = [t.cuda() for t in (q, cache, bt, sl)]
     junk = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
     del junk
-    return tq.decode(q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), preset, scale, splits).cpu()
+    return tq.decode(*args, preset, scale, splits).cpu()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("num_splits", [1, 5, 0])
 def test_rows_decode_matches_cpu(preset, head_dim, group, num_splits):
     heads = 8
@@ -47,12 +49,12 @@ def test_rows_decode_matches_cpu(preset, head_dim, group, num_splits):
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("kv_heads", [16, 24])
-def test_rows_decode_several_head_groups(preset, kv_heads):
+@pytest.mark.parametrize("kv_heads, head_dim", [(16, 128), (24, 128), (16, 64)])
+def test_rows_decode_several_head_groups(preset, kv_heads, head_dim):
     """More than 8 KV heads: several CTAs per token row, each copying its 8 heads' run of every
     row (rows not adjacent: one bulk copy per token)."""
-    cache, bt, sl, _, _ = make_paged_batch([333, 40, 1], 16, kv_heads, 128, preset, seed=kv_heads)
-    q = torch.randn(3, kv_heads * 4, 128).half()
+    cache, bt, sl, _, _ = make_paged_batch([333, 40, 1], 16, kv_heads, head_dim, preset, seed=kv_heads)
+    q = torch.randn(3, kv_heads * 4, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 3)
     for splits in (1, 3, 0):
         out = _poisoned_decode(q, cache, bt, sl, preset, 0.1, splits)
@@ -80,6 +82,7 @@ def test_rows_decode_masks_block_ids_outside_the_cache(preset):
     cache, bt, sl, _, _ = make_paged_batch([90, 40], 16, 8, 128, preset)
     bt = torch.cat([bt, torch.full((2, 2), -7, dtype=torch.int32)], dim=1)
     bt[0, 2] = 1 << 30
+    bt[1, 3] = -7  # sequence 1 reads columns 0..4: one negative id inside its 70 tokens
     sl = torch.tensor([90, 70], dtype=torch.int32)
     q = torch.randn(2, 32, 128).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 2)
@@ -87,6 +90,17 @@ def test_rows_decode_masks_block_ids_outside_the_cache(preset):
         out = _poisoned_decode(q, cache, bt, sl, preset, 0.1, splits)
         assert not out.isnan().any()
         assert rel_err(out, ref) <= 2e-3, splits
+
+
+def test_rows_decode_seq_lens_past_the_block_table():
+    """seq_lens beyond max_blocks_per_seq * block_size are clamped to what the table holds."""
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([64, 30], 16, 8, 128, preset, seed=5)
+    q = torch.randn(2, 16, 128).half()
+    long = torch.tensor([64 + 500, 30], dtype=torch.int32)
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
+    out = _poisoned_decode(q, cache, bt, long, preset, 0.1, 1)
+    assert rel_err(out, ref) <= 2e-3
 
 
 def test_rows_decode_graph_replay_follows_new_lengths():
@@ -122,20 +136,23 @@ def test_each_decode_kernel_passes_these_tests(kernel):
 
 
 def test_forced_rows_kernel_refuses_a_shape_it_cannot_serve():
-    """With TURBOQUANT_DECODE_KERNEL=rows a decode the row kernel cannot serve (4 KV heads) fails
-    with a clear error instead of silently running the other kernel."""
+    """With TURBOQUANT_DECODE_KERNEL=rows a decode the row kernel cannot serve (4 KV heads; a
+    head-major cache) fails with a clear error instead of silently running the other kernel."""
     script = (
         "import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
         "import torch, turboquant as tq\n"
         "from helpers import make_paged_batch\n"
-        "cache, bt, sl, _, _ = make_paged_batch([50], 16, 4, 128, 'turboquant_4bit_nc')\n"
-        "q = torch.randn(1, 16, 128).half().cuda()\n"
-        "try:\n"
-        "    tq.decode(q, cache.cuda(), bt.cuda(), sl.cuda(), 'turboquant_4bit_nc', 0.1)\n"
-        "except RuntimeError as e:\n"
-        "    print('refused:', e)\n"
+        "for heads, head_major in ((4, False), (8, True)):\n"
+        "    cache, bt, sl, _, _ = make_paged_batch([50], 16, heads, 128, 'turboquant_4bit_nc', head_major=head_major)\n"
+        "    q = torch.randn(1, 4 * heads, 128).half().cuda()\n"
+        "    gc = cache.transpose(1, 2).contiguous().cuda().transpose(1, 2) if head_major else cache.cuda()\n"
+        "    try:\n"
+        "        tq.decode(q, gc, bt.cuda(), sl.cuda(), 'turboquant_4bit_nc', 0.1)\n"
+        "    except RuntimeError as e:\n"
+        "        print('refused:', e)\n"
     ) % (os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"),
          os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TURBOQUANT_DECODE_KERNEL="rows"),
                             capture_output=True, text=True)
-    assert "refused:" in result.stdout and "operation not supported" in result.stdout, result.stdout + result.stderr
+    assert result.stdout.count("refused:") == 2 and "operation not supported" in result.stdout, \
+        result.stdout + result.stderr
