@@ -297,7 +297,7 @@ struct LaunchDecode {
     cudaError_t err = prepare_decode_kernel<C, T>();
     if (err != cudaSuccess) return err;
     const int head_chunks = head_chunks_of(p);
-    const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
+    const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, query_chunks_of(p));
     decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks);
     err = cudaGetLastError();
@@ -311,15 +311,9 @@ struct ResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
-    static const int n = [] {
-      int blocks = 0;
-      if (prepare_decode_kernel<C, T>() != cudaSuccess ||
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_kernel<C, T>, kThreads, C::kSmemBytes) !=
-              cudaSuccess) {
-        return 1;
-      }
-      return blocks > 0 ? blocks : 1;
-    }();
+    static const int n = prepare_decode_kernel<C, T>() == cudaSuccess
+                             ? resident_ctas_per_sm(decode_kernel<C, T>, kThreads, C::kSmemBytes)
+                             : 1;
     *per_sm = n;
     return cudaSuccess;
   }

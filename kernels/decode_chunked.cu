@@ -369,7 +369,7 @@ struct LaunchChunked {
       static const cudaError_t attr = cudaFuncSetAttribute(
           decode_chunked_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
       if (attr != cudaSuccess) return attr;
-      const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(D)));
+      const float q_multiplier = decode_query_multiplier<C>(p.scale);
       const dim3 grid(p.cache.num_kv_heads, p.num_splits, decode_chunked_query_chunks(p));
       decode_chunked_kernel<C, T><<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, q_multiplier);
       const cudaError_t err = cudaGetLastError();

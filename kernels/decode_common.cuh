@@ -17,11 +17,26 @@ constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// The packed slot of a preset as a decode CTA stages it: layout constants and the shared-memory
-// row that holds the 16-byte chunks from the slot's start rounded down to kWindowAlign (16 or
-// 32) bytes to its end (a slot starts at any even address).
-template <int D_, bool kFp8Key_, int KB_, int VB_, int kWindowAlign_ = 16>
-struct StagedSlot {
+// Host helpers of the decode launchers. The query is pre-scaled once per CTA: softmax scale,
+// log2(e) (scores in the log2 domain) and, for Lloyd-Max keys, the 1/sqrt(D) of the orthonormal
+// rotation (the kernels rotate with the unnormalized FWHT).
+template <class C>
+float decode_query_multiplier(float scale) {
+  return scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
+}
+
+// CTAs of `threads` threads and `smem_bytes` of dynamic shared memory that fit on one SM (1 if
+// the runtime cannot say).
+template <class Kernel>
+int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes) != cudaSuccess) return 1;
+  return blocks > 0 ? blocks : 1;
+}
+
+// The packed slot of a preset at compile time: head dim, bit widths, layout.
+template <int D_, bool kFp8Key_, int KB_, int VB_>
+struct PackedSlot {
   static constexpr int D = D_;
   static constexpr bool kFp8Key = kFp8Key_;
   static constexpr int KB = kFp8Key_ ? 8 : KB_;  // bits per key element
@@ -29,6 +44,14 @@ struct StagedSlot {
   static constexpr SlotLayout kLayout =
       make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
+};
+
+// The packed slot as the per-head decode CTA stages it: the shared-memory row that holds the
+// 16-byte chunks from the slot's start rounded down to kWindowAlign (16 or 32) bytes to its end
+// (a slot starts at any even address).
+template <int D_, bool kFp8Key_, int KB_, int VB_, int kWindowAlign_ = 16>
+struct StagedSlot : PackedSlot<D_, kFp8Key_, KB_, VB_> {
+  using PackedSlot<D_, kFp8Key_, KB_, VB_>::kSlotBytes;
   static constexpr int kWindowAlign = kWindowAlign_;
   static constexpr int kChunks = window_chunks(kSlotBytes, kWindowAlign);
   static constexpr int kRowBytes = (kChunks % 2 == 0 ? kChunks + 1 : kChunks) * 16;  // odd: no bank conflicts

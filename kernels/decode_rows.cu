@@ -35,25 +35,20 @@ namespace {
 constexpr int kRowHeads = kDecodeWarps;  // KV heads per CTA, one warp each
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
-struct RowConfig {
-  static constexpr int D = D_;
-  static constexpr bool kFp8Key = kFp8Key_;
-  static constexpr int KB = kFp8Key_ ? 8 : KB_;
-  static constexpr int VB = VB_;
-  static constexpr SlotLayout kLayout =
-      make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
-  static constexpr int kSlotBytes = kLayout.slot_size_aligned;
+struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
+  using Slot = PackedSlot<D_, kFp8Key_, KB_, VB_>;
+  using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes;
   static constexpr int kRowBytes = kRowHeads * kSlotBytes;  // slots are even: a multiple of 16
   static constexpr int kTileBytes = kTokenTile * kRowBytes;
   static constexpr int kStages = 4;  // tiles in flight + the one being read
-  static constexpr int kKSteps = D / 16;
+  static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
   // Shared memory: [ring (+16: the tile math reads a word past a slot) | query columns, aliased
   // by the ring] [pair table] [full and empty barriers].
   static constexpr int kRingBytes = kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kColumns * D * 4;
   static constexpr int kScratchBytes = cdiv(kRingBytes > kQueryBytes ? kRingBytes : kQueryBytes, 128) * 128;
-  static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * 32;
+  static constexpr int kPairTableWords = TileFragments<Slot>::kPairTableWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -259,15 +254,9 @@ struct RowsResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
-    static const int n = [] {
-      int blocks = 0;
-      if (prepare_rows_kernel<C, T>() != cudaSuccess ||
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_rows_kernel<C, T>, kDecodeThreads,
-                                                        C::kSmemBytes) != cudaSuccess) {
-        return 1;
-      }
-      return blocks > 0 ? blocks : 1;
-    }();
+    static const int n = prepare_rows_kernel<C, T>() == cudaSuccess
+                             ? resident_ctas_per_sm(decode_rows_kernel<C, T>, kDecodeThreads, C::kSmemBytes)
+                             : 1;
     *per_sm = n;
     return cudaSuccess;
   }
@@ -280,7 +269,7 @@ struct LaunchRows {
   cudaError_t run() const {
     cudaError_t err = prepare_rows_kernel<C, T>();
     if (err != cudaSuccess) return err;
-    const float q_multiplier = p.scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
+    const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;
     const dim3 grid(p.cache.num_kv_heads / kRowHeads, p.num_splits, p.batch);
     decode_rows_kernel<C, T><<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
