@@ -115,9 +115,9 @@ if has ab_rows; then  # the two plain-decode kernels of this build, alternating 
     done
   done
   for kernel in heads rows; do echo "== ab_rows: $kernel"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_rows_$kernel.md"; done
-  if has splits; then  # the split sweep again with the per-head kernel (the splits step runs the default)
-    echo "== decode vs splits, per-head kernel"
-    TURBOQUANT_DECODE_KERNEL=heads "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits_heads.md" 2>&1 | tee "$OUT/splits_heads.log" | grep -E "^\|" || status=1
+  if has splits; then  # the split sweep again with the row kernel forced (the splits step runs the default)
+    echo "== decode vs splits, row kernel"
+    PYTHONPATH=python TURBOQUANT_DECODE_KERNEL=rows timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits_rows.md" 2>&1 | tee "$OUT/splits_rows.log" | grep -E "^\|" || status=1
   fi
 fi
 if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its own build
