@@ -11,8 +11,10 @@
 // decode_tile.cuh on its head's slot of each row and frees the stage on a second mbarrier. A warp
 // sees every tile of its split, so it holds its head's whole result at the end: no merge across
 // warps. Selected for plain decodes of token-major caches whose KV heads come in 8s, GQA groups
-// up to 8 and head dims up to 128, on sm_90 builds (decode_rows_supports); TURBOQUANT_DECODE_KERNEL
-// = heads | rows forces a kernel (A/B runs in one build).
+// up to 8 and head dims 64 and 128, on sm_90 builds, where its grid can fill half the SMs
+// (decode_rows_supports); TURBOQUANT_DECODE_KERNEL = heads | rows forces a kernel (A/B runs in
+// one build). Measured against the per-head kernel in benchmarks/RESULTS.md (session 9): 25-40 %
+// faster at the bandwidth-bound shapes (k8v4 at 85-88 % of copy bandwidth).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -324,13 +326,15 @@ int forced_decode_kernel() {
   return forced;
 }
 
-// Whether launch_decode takes the row kernel where it can without being told to (until it is
-// measured against the per-head kernel: benchmarks/RESULTS.md).
-constexpr bool kRowKernelByDefault = false;
-
 bool decode_rows_supports(const DecodeParams& p) {
   const int forced = forced_decode_kernel();
-  if (forced == 1 || (forced == 0 && !kRowKernelByDefault)) return false;
+  if (forced == 1) return false;
+  // By default only where its grid can fill half the SMs (split_plan.h: at short contexts and
+  // small batches the per-head kernel's 8x more CTAs win).
+  if (forced == 0 && !row_kernel_fills_device(p.batch, p.cache.num_kv_heads / kRowHeads,
+                                              p.max_blocks_per_seq * p.cache.block_size, device_sm_count())) {
+    return false;
+  }
   const CacheView& c = p.cache;
   if (p.query_start_loc != nullptr || c.num_kv_heads % kRowHeads != 0) return false;
   if (p.num_q_heads % c.num_kv_heads != 0 || p.num_q_heads / c.num_kv_heads > kDecodeColumns) return false;

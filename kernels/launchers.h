@@ -96,7 +96,8 @@ bool decode_chunked_supports(const DecodeParams& p);
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 
 // Plain decodes of token-major caches with KV heads in 8s (decode_rows.cu): one CTA per 8 KV
-// heads stages whole token rows by bulk copies. launch_decode takes it where it supports the shape.
+// heads stages whole token rows by bulk copies. launch_decode takes it where it supports the shape
+// and its grid fills half the SMs (row_kernel_fills_device, turboquant/split_plan.h).
 bool decode_rows_supports(const DecodeParams& p);
 int decode_rows_resident_ctas(const DecodeParams& p);  // CTAs per SM
 int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)

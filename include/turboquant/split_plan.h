@@ -49,6 +49,16 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
   return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one_per_sm : filled;
 }
 
+// Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) can put CTAs on
+// at least half of the SMs: batch x head groups x the most splits the context allows. Measured
+// (H200, session 9, benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs) it took
+// 19-25 us under graph replay where the per-head kernel took 11-17; from 128 possible CTAs up
+// (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Between the two is not measured.
+TQ_HD bool row_kernel_fills_device(int batch, int head_groups, int max_context, int sm_count) {
+  const int splits = max_context / kMinTokensPerSplit > 1 ? max_context / kMinTokensPerSplit : 1;
+  return static_cast<long long>(batch) * head_groups * splits * 2 >= sm_count;
+}
+
 // Token range [begin, end) of split `split` for a sequence of `seq_len` tokens; chunks are whole
 // token tiles so no tile straddles two splits. Empty when begin >= end.
 struct TokenRange {

@@ -43,6 +43,15 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
   EXPECT_EQ(decode_num_splits(true, 32, 1, 8192, 132, 2, 1), 4);
 }
 
+TEST(SplitPlan, RowKernelOnlyWhereItsGridFillsHalfTheSms) {
+  EXPECT_TRUE(row_kernel_fills_device(1, 1, 32768, 132));  // up to 128 splits
+  EXPECT_TRUE(row_kernel_fills_device(32, 1, 8192, 132));
+  EXPECT_TRUE(row_kernel_fills_device(2, 4, 4096, 132));   // 32 KV heads: 4 head groups
+  EXPECT_FALSE(row_kernel_fills_device(8, 1, 1024, 132));  // 32 CTAs at most
+  EXPECT_FALSE(row_kernel_fills_device(1, 1, 1024, 132));
+  EXPECT_FALSE(row_kernel_fills_device(1, 1, 0, 132));     // empty block table: one split
+}
+
 TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
   for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149}) {
     for (int splits : {1, 3, 7, 33}) {
