@@ -1,5 +1,6 @@
 """Decode time against the number of splits, for the batch sizes where the default heuristic
-(decode_num_splits in turboquant/split_plan.h: one wave of one or two CTAs per SM) has a choice.
+(decode_num_splits in turboquant/split_plan.h: one wave of one or two CTAs per SM) has a choice,
+for whichever kernel the default picks (TURBOQUANT_DECODE_KERNEL=heads|rows forces one).
 Evidence for the split rule (issue #4): one row per (shape, preset), graph replay in rotation over
 enough caches to defeat the L2, the default ("auto") next to fixed counts.
 
@@ -20,7 +21,8 @@ from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us 
 
 # Batch 1..16 at GQA 4 and 8 KV heads: 8..128 CTAs before splitting, so the default picks 33..2.
 SHAPES = [(1, 32, 8, 32768), (2, 32, 8, 16384), (4, 32, 8, 16384), (8, 32, 8, 8192), (16, 32, 8, 8192)]
-SPLITS = [0, 1, 2, 4, 8, 16, 33]
+# 64 and 128: the row-staged kernel (decode_rows.cu) runs one CTA per sequence and split at 8 KV heads.
+SPLITS = [0, 1, 2, 4, 8, 16, 33, 64, 128]
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
 
 
