@@ -101,7 +101,9 @@ ncu_profile() {
   echo "== ncu $name"
   grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per|Executed Ipc A)" "$OUT/ncu_$name.txt"
 }
-if has profile; then ncu_profile decode_profile decode_kernel decode ${DECODE_SHAPE:+--shape $DECODE_SHAPE}; fi
+# The plain-decode kernel the default picks for the shape (decode_rows_kernel or decode_kernel;
+# TURBOQUANT_DECODE_KERNEL=heads|rows forces one).
+if has profile; then ncu_profile decode_profile "decode_(rows_)?kernel" decode ${DECODE_SHAPE:+--shape $DECODE_SHAPE}; fi
 if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
