@@ -19,9 +19,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
 
 #include "decode_common.cuh"
 #include "decode_tile.cuh"
@@ -357,15 +354,8 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 // shape (tests and benchmarks of each kernel; read once per process, other values warn).
 static bool use_chunked_varlen(const DecodeParams& p) {
   if (p.query_start_loc == nullptr || !decode_chunked_supports(p)) return false;
-  static const int forced = [] {  // 0: by shape, 1: decode kernel, 2: chunked kernel
-    const char* v = std::getenv("TURBOQUANT_VARLEN_KERNEL");
-    if (v == nullptr) return 0;
-    const std::string kernel(v);
-    if (kernel == "decode") return 1;
-    if (kernel == "chunked") return 2;
-    std::fprintf(stderr, "turboquant: TURBOQUANT_VARLEN_KERNEL=%s ignored (expected decode or chunked)\n", v);
-    return 0;
-  }();
+  // 0: by shape, 1: decode kernel, 2: chunked kernel
+  static const int forced = env_kernel_choice("TURBOQUANT_VARLEN_KERNEL", "decode", "chunked");
   if (forced != 0) return forced == 2;
   const int64_t group = p.num_q_heads / p.cache.num_kv_heads;
   return 2 * static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
@@ -380,21 +370,21 @@ int decode_default_num_splits(const DecodeParams& p) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
+  int splits;
   if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
-    return std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), 128);
+    splits = default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2);
+  } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
+    splits = decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
+                               decode_rows_resident_ctas(p), 1);
+  } else {
+    int per_sm = 1;
+    visit_decode_config(p, ResidentCtas{&per_sm});
+    const int busy = p.query_start_loc == nullptr ? p.batch
+                                                  : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
+    splits = decode_num_splits(fp8, busy, p.cache.num_kv_heads * head_chunks_of(p), max_context, device_sm_count(),
+                               per_sm, kWarps);
   }
-  if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
-    return std::min(decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context,
-                                      device_sm_count(), decode_rows_resident_ctas(p), 1),
-                    128);
-  }
-  int per_sm = 1;
-  visit_decode_config(p, ResidentCtas{&per_sm});
-  const int busy =
-      p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
-  const int splits = decode_num_splits(fp8, busy, p.cache.num_kv_heads * head_chunks_of(p), max_context,
-                                       device_sm_count(), per_sm, kWarps);
   return std::min(splits, 128);
 }
 

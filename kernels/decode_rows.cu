@@ -18,9 +18,6 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "decode_common.cuh"
@@ -96,11 +93,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   float* qs = reinterpret_cast<float*>(ring);  // [kColumns][D]
   stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
                                                           p.codebook);
-  // Rows past this warp's group hold other warps' columns (or zeros); their scores are masked by
-  // limit 0. The last warp reads at most row 7 * group + 7 < kColumns.
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
   const int slot_misalign = (warp * C::kSlotBytes) & 3;
+  // B fragments from the warp's columns. Rows past its group hold other warps' columns (or zeros);
+  // their scores are masked by limit 0. The last warp reads at most row 7 * group + 7 < kColumns.
   uint32_t qf[C::kKSteps][2];
   if (slot_misalign == 0) {
     query_fragments<D, C::KB, 0>(qs + first_column * D, g, c, q_multiplier, qf);
@@ -314,27 +311,13 @@ cudaError_t visit_rows_config(const DecodeParams& p, const Visit& visit) {
 // 2 the row-staged kernel for every plain decode (launch_decode fails where it cannot serve one,
 // so a test run with it forced proves which kernel ran).
 int forced_decode_kernel() {
-  static const int forced = [] {
-    const char* v = std::getenv("TURBOQUANT_DECODE_KERNEL");
-    if (v == nullptr) return 0;
-    const std::string kernel(v);
-    if (kernel == "heads") return 1;
-    if (kernel == "rows") return 2;
-    std::fprintf(stderr, "turboquant: TURBOQUANT_DECODE_KERNEL=%s ignored (expected heads or rows)\n", v);
-    return 0;
-  }();
+  static const int forced = env_kernel_choice("TURBOQUANT_DECODE_KERNEL", "heads", "rows");
   return forced;
 }
 
 bool decode_rows_supports(const DecodeParams& p) {
   const int forced = forced_decode_kernel();
   if (forced == 1) return false;
-  // By default only where its grid can fill half the SMs (split_plan.h: at short contexts and
-  // small batches the per-head kernel's 8x more CTAs win).
-  if (forced == 0 && !row_kernel_fills_device(p.batch, p.cache.num_kv_heads / kRowHeads,
-                                              p.max_blocks_per_seq * p.cache.block_size, device_sm_count())) {
-    return false;
-  }
   const CacheView& c = p.cache;
   if (p.query_start_loc != nullptr || c.num_kv_heads % kRowHeads != 0) return false;
   if (p.num_q_heads % c.num_kv_heads != 0 || p.num_q_heads / c.num_kv_heads > kDecodeColumns) return false;
@@ -344,7 +327,11 @@ bool decode_rows_supports(const DecodeParams& p) {
     return false;
   }
   bool built = false;
-  return visit_rows_config(p, RowsBuilt{&built}) == cudaSuccess && built;
+  if (visit_rows_config(p, RowsBuilt{&built}) != cudaSuccess || !built) return false;
+  // By default only where its grid can fill half the SMs (split_plan.h: at short contexts and
+  // small batches the per-head kernel's 8x more CTAs win).
+  return forced == 2 || row_kernel_fills_device(p.batch, c.num_kv_heads / kRowHeads,
+                                                p.max_blocks_per_seq * c.block_size, device_sm_count());
 }
 
 int decode_rows_resident_ctas(const DecodeParams& p) {

@@ -80,6 +80,11 @@ int device_sm_count();
 // Whether kernels may be launched with programmatic dependent launch (sm_90 and newer).
 bool device_supports_dependent_launch();
 
+// A kernel forced by environment variable `variable` (tests and A/B runs): 1 when it equals
+// `first`, 2 when it equals `second`, 0 when unset (other values warn and count as unset). Callers
+// read it once per process.
+int env_kernel_choice(const char* variable, const char* first, const char* second);
+
 constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) the merge combines
 
 // Split-KV count the decode picks for these shapes on the current device.
