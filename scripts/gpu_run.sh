@@ -47,18 +47,24 @@ if has splits; then  # decode time against the split count at batch 1..16 (the s
   echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
 fi
 if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
-  sanitize() {
-    local tool=$1 k=$2
+  sanitize() {  # sanitize <log name> <tool> <-k expression> <test files...>
+    local name=$1 tool=$2 k=$3; shift 3
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=python timeout 420 compute-sanitizer --tool "$tool" \
-      --error-exitcode 9 --print-limit 30 "$PYTHON" -m pytest tests/python/test_cuda.py tests/python/test_varlen.py -q -p no:cacheprovider \
-      -k "$k" > "$OUT/sanitize_$tool.log" 2>&1
-    echo "$tool exit=$?" >> "$OUT/sanitize_$tool.log"
+      --error-exitcode 9 --print-limit 30 "$PYTHON" -m pytest "$@" -q -p no:cacheprovider \
+      -k "$k" > "$OUT/sanitize_$name.log" 2>&1
+    echo "$name exit=$?" >> "$OUT/sanitize_$name.log"
   }
+  files="tests/python/test_cuda.py tests/python/test_varlen.py"
   small="(decode_matches_cpu and 128 and not 16) or (store_matches_cpu_bytes and bfloat16) or dequantize or masked or (varlen and not graph)"
   # graph capture is left out: without the caching allocator it would cudaMalloc while capturing
-  sanitize memcheck "out_of_range_indices or $small or edge_values" &
-  sanitize racecheck "$small" &
-  sanitize synccheck "$small" &
+  sanitize memcheck memcheck "out_of_range_indices or $small or edge_values" $files &
+  sanitize racecheck racecheck "$small" $files &
+  sanitize synccheck synccheck "$small" $files &
+  # The row-staged decode kernel, forced: its bulk copies, mbarriers and shared ring (subprocess
+  # reruns and graph capture left out).
+  rows="not each_decode_kernel and not refuses and not graph and ((matches_cpu and not 7 and not 3) or several or masks or past)"
+  TURBOQUANT_DECODE_KERNEL=rows sanitize rows_memcheck memcheck "$rows" tests/python/test_decode_rows.py &
+  TURBOQUANT_DECODE_KERNEL=rows sanitize rows_racecheck racecheck "$rows and not dtypes" tests/python/test_decode_rows.py &
 fi
 if has tests; then
   ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
@@ -67,7 +73,7 @@ if has tests; then
 fi
 if has sanitize; then
   wait
-  for t in memcheck racecheck synccheck; do
+  for t in memcheck racecheck synccheck rows_memcheck rows_racecheck; do
     echo "== compute-sanitizer $t: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$t.log" | tail -1) | $(grep -E 'passed|failed' "$OUT/sanitize_$t.log" | tail -1) | $(tail -1 "$OUT/sanitize_$t.log")"
     grep -q "exit=0" "$OUT/sanitize_$t.log" || status=1
   done
