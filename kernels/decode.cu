@@ -101,8 +101,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
-  const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
-  const uint32_t lane_bytes = lane * 4u;  // this lane's bank of the replicated table
+  const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
 
   // Tile addresses, 32 tiles per window: lane i holds the byte offset of row 0 of local tile
   // 32 * window + i (its block's base plus the tile's offset in the block and the KV head's),
@@ -208,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const int pos_lo = tile_start(it) + g;
     const bool tile_ok = tile_code >= 0;
     device::attend_tile<C>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
-                           limit0, limit1, table_bytes, lane_bytes, qf, st);
+                           limit0, limit1, table_lane, qf, st);
     // The next iteration refills this stage: every lane's reads of it are done before that.
     __syncwarp();
     stage = stage == C::kStages - 1 ? 0 : stage + 1;

@@ -150,8 +150,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
     for (int t = 0; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
   }
 
-  const uint8_t* table_bytes = reinterpret_cast<const uint8_t*>(pair_table);
-  const uint32_t lane_bytes = lane * 4u;  // this lane's bank of the replicated table
+  const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
   TileAttention<C::kKSteps> st;
   const uint8_t* const my_slots = ring + warp * C::kSlotBytes;  // this warp's head in every row
   // The tile loop for slots at kMisalign mod 4 (one instantiation per offset a warp can have).
@@ -172,7 +171,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
       const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
       const int pos_lo = tile_start(it) + g;
       attend_tile<C, kMisalign>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
-                                limit0, limit1, table_bytes, lane_bytes, qf, st);
+                                limit0, limit1, table_lane, qf, st);
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) mbarrier_arrive(&empty[stage]);
     }

@@ -70,14 +70,41 @@ struct TileAttention {
   }
 };
 
-// The tile step: slot_ptr(r) is row r's slot in shared memory (2-byte aligned, one readable word
+// The tile step (table_lane: pair_table_lane_address): slot_ptr(r) is row r's slot in shared memory (2-byte aligned, one readable word
 // past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
 // picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the tile are at positions pos_lo and pos_lo + 8 and count
 // when valid_lo / valid_hi and below the column's limit (limit0, limit1: columns 2c, 2c + 1).
 // Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
+// This lane's replica of the pair table as a shared-memory address (entry `pair` of lane l is
+// word pair * 32 + l), hidden from the compiler behind a move: otherwise it re-derives the lane
+// from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0).
+__device__ __forceinline__ uint32_t pair_table_lane_address(const uint32_t* pair_table, int lane) {
+  uint32_t a;
+  asm("mov.b32 %0, %1;" : "=r"(a) : "r"(smem_address(pair_table) + 4u * static_cast<uint32_t>(lane)));
+  return a;
+}
+
+__device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
+  uint32_t v;
+  asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(address));
+  return v;
+}
+
+// The half2 pair-table entry for the pair of key codes at `bit` of w. For 4-bit keys a pair is a
+// byte: one PRMT isolates it and one LEA scales and adds it (2 ALU ops); other widths shift and mask.
+template <int KB, int NW>
+__device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t table_lane) {
+  if constexpr (KB == 4) {
+    const uint32_t pair = __byte_perm(w[bit >> 5], 0u, 0x4440u | static_cast<uint32_t>((bit >> 3) & 3));
+    return load_shared_word(table_lane + (pair << 7));
+  } else {
+    return load_shared_word(table_lane + pair_entry_offset(w, bit, 2 * KB, 0u));
+  }
+}
+
 template <class S, int kSlotMisalign = kUnknownMisalign, class SlotPtr>
 __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo, bool valid_lo, bool valid_hi,
-                                            int limit0, int limit1, const uint8_t* table_bytes, uint32_t lane_bytes,
+                                            int limit0, int limit1, uint32_t table_lane,
                                             const uint32_t (&qf)[S::D / 16][2],
                                             TileAttention<TileFragments<S>::kKSteps>& st) {
   using F = TileFragments<S>;
@@ -100,9 +127,7 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
   }
   // Two accumulators halve the chain of dependent MMAs.
   float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) {
-    return *reinterpret_cast<const uint32_t*>(table_bytes + pair_entry_offset(w, bit, 2 * S::KB, lane_bytes));
-  };
+  auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) { return pair_entry<S::KB>(w, bit, table_lane); };
 #pragma unroll
   for (int j = 0; j < F::kKSteps; ++j) {
     uint32_t a0, a1, a2, a3;
