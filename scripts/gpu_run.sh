@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize ab ab_rows
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH=<file> (step ab: a diff from a
 # base commit to this tree) rebuilds the base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
-# a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_ROUNDS,
+# a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
+# default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
 # default 2; AB_CONTINUATION=0 leaves out the continuation table; AB_STORE=1 adds bench_store.py
 # for 4bit_nc and k8v4); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; COMMIT=<hash>
@@ -46,6 +47,10 @@ fi
 if has splits; then  # decode time against the split count at batch 1..16 (the split rule's evidence)
   echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
 fi
+if has sanitize || has race_control; then  # a standalone control: can racecheck see the row kernel's mbarrier ring at all?
+  nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/ring_racecheck_probe.cu -o "$OUT/ring_probe.bin" \
+    > "$OUT/ring_probe_build.log" 2>&1 &
+fi
 if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
   sanitize() {  # sanitize <log name> <tool> <-k expression> <test files...>
     local name=$1 tool=$2 k=$3; shift 3
@@ -71,8 +76,14 @@ if has tests; then
   PYTHONPATH=python timeout "${TESTS_TIMEOUT:-420}" "$PYTHON" -m pytest ${TESTS:-tests/python} -q -rs -n 12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   tail -15 "$OUT/pytest.log"
 fi
-if has sanitize; then
+if has sanitize || has race_control; then
   wait
+  for mode in ring no_wait; do  # racecheck's verdict on the control (benchmarks/probes/ring_racecheck_probe.cu)
+    compute-sanitizer --tool racecheck "$OUT/ring_probe.bin" "$mode" > "$OUT/ring_racecheck_$mode.log" 2>&1
+    echo "== racecheck control, $mode: $(grep -E '^mode' "$OUT/ring_racecheck_$mode.log") | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/ring_racecheck_$mode.log" | tail -1) | $(grep -c 'Race reported' "$OUT/ring_racecheck_$mode.log") race reports"
+  done
+fi
+if has sanitize; then
   for t in memcheck racecheck synccheck rows_memcheck rows_racecheck; do
     echo "== compute-sanitizer $t: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$t.log" | tail -1) | $(grep -E 'passed|failed' "$OUT/sanitize_$t.log" | tail -1) | $(tail -1 "$OUT/sanitize_$t.log")"
     grep -q "exit=0" "$OUT/sanitize_$t.log" || status=1
@@ -139,7 +150,7 @@ if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its o
   for round in $(seq "$rounds"); do
     for tree in . "$base"; do
       label=$([ "$tree" = . ] && echo change || echo base)
-      (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets turboquant_4bit_nc turboquant_k8v4 \
+      (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} \
         --out "$out_abs/ab_$label.md" && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
         { [ "${AB_STORE:-0}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_store.py \
