@@ -214,7 +214,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   }
 
   device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
-  device::remove_value_code_bias(st);
 
   // ---- combine the warps
   sum_over_column_lanes(st.l);

@@ -217,7 +217,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   }
 
   allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
-  remove_value_code_bias(st);
 
   // ---- this warp's columns are complete for the split: (acc + z) / l, or the partial and its
   // log-sum-exp (log2 domain) for the merge.

@@ -10,10 +10,7 @@
 //   * scores times the stored norm, online softmax in the log2 domain;
 //   * O^T += V^T (P*scale)^T on tensor cores with the raw integer value codes as A
 //     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) q_t + sum_t p_t z_t), P transposed in
-//     registers by movmatrix. The codes enter the MMA still biased (bias + code, one LOP3 per
-//     register, device_utils.cuh); one more MMA per tile sums bias * P*scale per column, taken off
-//     once after the last tile (remove_value_code_bias). The low codes' bias of 1024 against a mean
-//     code of 7.5 costs about 7 of the fp32 accumulator's 24 bits, far below the fp16 output's 11.
+//     registers by movmatrix.
 #pragma once
 
 #include <cmath>
@@ -66,25 +63,12 @@ struct TileAttention {
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of columns 2c, 2c+1
   float l[2] = {0.0f, 0.0f};            // this thread's share of the softmax denominators
   float z[2] = {0.0f, 0.0f};            // this thread's share of sum_t p_t * zero_t
-  // O^T fragments: acc[i] = dims g*D/8 + 2i (+1), columns 2c, 2c+1, of biased value codes until
-  // remove_value_code_bias; acc[kKSteps] = the code biases times sum_t p_t s_t (rows g: the low
-  // codes' bias, rows g + 8: the high codes'). The online softmax rescales them all alike.
-  float acc[kKSteps + 1][4];
+  float acc[kKSteps][4];                // O^T fragments: dims g*D/8 + 2i (+1), columns 2c, 2c+1
   __device__ __forceinline__ TileAttention() {
 #pragma unroll
-    for (int i = 0; i <= kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   }
 };
-
-// After the last tile: acc[i] becomes sum_t p_t s_t q_t (the value codes without their bias).
-template <int kKSteps>
-__device__ __forceinline__ void remove_value_code_bias(TileAttention<kKSteps>& st) {
-#pragma unroll
-  for (int i = 0; i < kKSteps; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.acc[i][e] -= st.acc[kKSteps][e];
-  }
-}
 
 // The tile step (table_lane: pair_table_lane_address): slot_ptr(r) is row r's slot in shared memory (2-byte aligned, one readable word
 // past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
@@ -219,10 +203,10 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
       const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
       const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel);
       const uint32_t x23 = __byte_perm(vw[2][w], vw[3][w], sel);
-      a0 = low_codes_biased<4>(x01);
-      a1 = high_codes_biased<4>(x01);
-      a2 = low_codes_biased<4>(x23);
-      a3 = high_codes_biased<4>(x23);
+      a0 = low_codes_to_half2<4>(x01);
+      a1 = high_codes_to_half2<4>(x01);
+      a2 = low_codes_to_half2<4>(x23);
+      a3 = high_codes_to_half2<4>(x23);
     } else {
       // Dims 2i (row g) and 2i + 1 (row g + 8) are the two VB-bit codes at bit 2i VB of each
       // token's chunk: a 16-bit window per token, two tokens per word (one PRMT), then one
@@ -231,16 +215,13 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
       const int bit = 2 * i * S::VB;
       const uint32_t x01 = __byte_perm(window16(vw[0], bit), window16(vw[1], bit), 0x5410);
       const uint32_t x23 = __byte_perm(window16(vw[2], bit), window16(vw[3], bit), 0x5410);
-      a0 = low_codes_biased<S::VB>(x01);
-      a1 = high_codes_biased<S::VB>(x01);
-      a2 = low_codes_biased<S::VB>(x23);
-      a3 = high_codes_biased<S::VB>(x23);
+      a0 = low_codes_to_half2<S::VB>(x01);
+      a1 = high_codes_to_half2<S::VB>(x01);
+      a2 = low_codes_to_half2<S::VB>(x23);
+      a3 = high_codes_to_half2<S::VB>(x23);
     }
     mma_16816(st.acc[i], a0, a1, a2, a3, pb0, pb1);
   }
-  // The biases those codes carried, from the same fp16 B: rows g low codes, rows g + 8 high.
-  constexpr uint32_t kLow = low_code_bias_half2(), kHigh = high_code_bias_half2<S::VB>();
-  mma_16816(st.acc[F::kKSteps], kLow, kHigh, kLow, kHigh, pb0, pb1);
 }
 
 }  // namespace device

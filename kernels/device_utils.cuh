@@ -143,37 +143,23 @@ __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t b
   return y;
 }
 
-// B-bit codes to half2 in one LOP3 each, by or-ing them into the mantissa of a power of two
-// whose unit in the last place is the codes' unit: the result is bias + code, exactly.
-//   low codes (bits [0, B) of each 16-bit half): bias 1024 (0x6400, unit 1);
-//   high codes (bits [B, 2B)): bias 2^(10 - B) (unit 2^-B, so bits [B, 2B) count whole units).
-__device__ __forceinline__ constexpr uint32_t low_code_bias_half2() { return 0x64006400u; }
-template <int B>
-__device__ __forceinline__ constexpr uint32_t high_code_bias_half2() {
-  constexpr uint32_t bias = static_cast<uint32_t>(15 + 10 - B) << 10;  // fp16 bits of 2^(10 - B)
-  return bias | (bias << 16);
-}
-template <int B>
-__device__ __forceinline__ uint32_t low_codes_biased(uint32_t x) {
-  constexpr uint32_t m = (1u << B) - 1u;
-  return and_or(x, m | (m << 16), low_code_bias_half2());
-}
-template <int B>
-__device__ __forceinline__ uint32_t high_codes_biased(uint32_t x) {
-  constexpr uint32_t m = ((1u << B) - 1u) << B;
-  return and_or(x, m | (m << 16), high_code_bias_half2<B>());
-}
-
-// The same codes exactly: the bias subtracted (one more instruction per register).
+// The B-bit codes at bits [0, B) of both 16-bit halves of x -> half2, exactly: 0x6400 | c is the
+// fp16 1024 + c, so one mask-or and one subtraction.
 template <int B>
 __device__ __forceinline__ uint32_t low_codes_to_half2(uint32_t x) {
-  const uint32_t biased = low_codes_biased<B>(x);
+  constexpr uint32_t m = (1u << B) - 1u;
+  const uint32_t biased = and_or(x, m | (m << 16), 0x64006400u);
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
+
+// The B-bit codes at bits [B, 2B) of both halves -> half2, exactly and without a shift: the bias
+// 2^(10 - B) has a unit in the last place of 2^-B, so bits [B, 2B) of its mantissa count whole units.
 template <int B>
 __device__ __forceinline__ uint32_t high_codes_to_half2(uint32_t x) {
-  const uint32_t biased = high_codes_biased<B>(x);
+  constexpr uint32_t m = ((1u << B) - 1u) << B;
+  constexpr uint32_t bias = static_cast<uint32_t>(15 + 10 - B) << 10;  // fp16 bits of 2^(10 - B)
+  const uint32_t biased = and_or(x, m | (m << 16), bias | (bias << 16));
   const __half b = __float2half(static_cast<float>(1u << (10 - B)));
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(b, b));
   return *reinterpret_cast<const uint32_t*>(&h);
