@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
-  const uint32_t table_lane = device::pair_table_lane_address<C::kTableReplicas>(pair_table, lane);  // this lane's table replica
+  const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
 
   // Tile addresses, 32 tiles per window: lane i holds the byte offset of row 0 of local tile
   // 32 * window + i (its block's base plus the tile's offset in the block and the KV head's),

@@ -44,9 +44,6 @@ struct PackedSlot {
   static constexpr SlotLayout kLayout =
       make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
-  // Replicas of the Lloyd-Max pair table (entry e of replica r: word e * replicas + r; a lane
-  // reads replica lane % replicas): 32 = one per bank, conflict-free lookups.
-  static constexpr int kTableReplicas = 32;
 };
 
 // The packed slot as the per-head decode CTA stages it: the shared-memory row that holds the
@@ -116,10 +113,10 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
 }
 
 // Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the FWHT for
-// Lloyd-Max keys (the butterflies of fwht_inplace), plus the codebook's pair table in kReplicas
-// replicas (word pair * kReplicas + r) for Lloyd-Max keys of kKeyBits bits.
+// Lloyd-Max keys (the butterflies of fwht_inplace), plus the codebook's pair
+// table replicated once per bank (word pair * 32 + lane) for Lloyd-Max keys of kKeyBits bits.
 // Every thread of the CTA calls it; qs and the table are visible to all when it returns.
-template <int D, int kColumns, bool kLloydMax, int kKeyBits, typename T, int kReplicas = 32>
+template <int D, int kColumns, bool kLloydMax, int kKeyBits, typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
                                                     const QueryColumns& columns, const Codebook& codebook) {
   // Warp w loads columns w, w + 8, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
@@ -164,11 +161,11 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     // Four replicas per 16-byte store (pair_table is 16-byte aligned): 8 stores per thread for
     // 4-bit keys instead of 32 single-word ones, a quarter of the centroid reads.
     constexpr uint32_t mask = (1u << kKeyBits) - 1u;
-    constexpr int kQuads = (1 << (2 * kKeyBits)) * kReplicas / 4;
-    static_assert(kReplicas % 4 == 0 && kQuads % kDecodeThreads == 0, "whole rounds of quads");
+    constexpr int kQuads = (1 << (2 * kKeyBits)) * 32 / 4;
+    static_assert(kQuads % kDecodeThreads == 0, "whole rounds of quads");
 #pragma unroll 2
     for (int i = threadIdx.x; i < kQuads; i += kDecodeThreads) {
-      const uint32_t pair = static_cast<uint32_t>(i) / (kReplicas / 4);  // words 4i .. 4i + 3: replicas of one pair
+      const uint32_t pair = static_cast<uint32_t>(i) >> 3;  // words 4i .. 4i + 3: replicas of one pair
       const uint32_t w = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
       reinterpret_cast<uint4*>(pair_table)[i] = make_uint4(w, w, w, w);
     }

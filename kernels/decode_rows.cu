@@ -33,44 +33,23 @@ namespace {
 
 constexpr int kRowHeads = kDecodeWarps;  // KV heads per CTA, one warp each
 
-// Shared memory a CTA may take so that two fit an SM (Hopper: 228 KB per SM, 1 KB of it reserved
-// per CTA).
-constexpr int kTwoCtaSmemBudget = 228 * 1024 / 2 - 1024;
-
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   using Slot = PackedSlot<D_, kFp8Key_, KB_, VB_>;
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes;
   static constexpr int kRowBytes = kRowHeads * kSlotBytes;  // slots are even: a multiple of 16
   static constexpr int kTileBytes = kTokenTile * kRowBytes;
+  static constexpr int kStages = 4;  // tiles in flight + the one being read
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
-  // 4-bit keys keep 16 pair-table replicas, not 32: the 32 KB table would leave room for only
-  // 4 ring stages next to it. A lookup then takes two wavefronts where lanes l and l + 16 read
-  // different entries; the shared-memory pipe has room for that (ncu, session 10), and the ring
-  // gains a stage.
-  static constexpr int kTableReplicas = (!kFp8Key && KB == 4) ? 16 : 32;
-  static constexpr int kPairTableWords = (kFp8Key ? 0 : (1 << (2 * KB))) * kTableReplicas;
+  // Shared memory: [ring (+16: the tile math reads a word past a slot) | query columns, aliased
+  // by the ring] [pair table] [full and empty barriers].
+  static constexpr int kRingBytes = kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kColumns * D * 4;
-  // Shared memory for a ring of `stages` tiles: [ring (+16: the tile math reads a word past a
-  // slot) | query columns, aliased by the ring] [pair table] [full and empty barriers].
-  static constexpr int scratch_bytes(int stages) {
-    return cdiv(stages * kTileBytes + 16 > kQueryBytes ? stages * kTileBytes + 16 : kQueryBytes, 128) * 128;
-  }
-  static constexpr int smem_bytes(int stages) { return scratch_bytes(stages) + kPairTableWords * 4 + 2 * stages * 8; }
-  // The ring's depth: the most stages (4 to 8) with which two CTAs still fit an SM. The warps are
-  // fed by whatever the ring holds in flight (3 tiles = 51 KB per 4bit_nc CTA left the warps waiting
-  // on the full barrier at 61 % of DRAM bandwidth, ncu session 10; k8v4, 75 KB, reached 88 %).
-  static constexpr int ring_stages() {
-    int s = 4;
-    while (s < 8 && smem_bytes(s + 1) <= kTwoCtaSmemBudget) ++s;
-    return s;
-  }
-  static constexpr int kStages = ring_stages();  // tiles in flight + the one being read
-  static constexpr int kScratchBytes = scratch_bytes(kStages);
+  static constexpr int kScratchBytes = cdiv(kRingBytes > kQueryBytes ? kRingBytes : kQueryBytes, 128) * 128;
+  static constexpr int kPairTableWords = TileFragments<Slot>::kPairTableWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
-  static constexpr int kSmemBytes = smem_bytes(kStages);
-  static_assert(kPairTableWords == TileFragments<RowConfig>::kPairTableWords, "one table size");
+  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(D <= 128 && D % 64 == 0, "head dims of the row-staged kernel");
 };
@@ -112,7 +91,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
   // that also publishes the mbarriers.
   float* qs = reinterpret_cast<float*>(ring);  // [kColumns][D]
-  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB, T, C::kTableReplicas>(qs, pair_table, static_cast<const T*>(p.query), columns,
+  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
                                                           p.codebook);
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
@@ -147,18 +126,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // The expected bytes are announced before any copy is issued; a tile whose block id is outside
   // the cache copies nothing and completes its phase on the arrival alone (its rows are masked).
   const int64_t head_group_offset = static_cast<int64_t>(head_group) * C::kRowBytes;
-  // (stage, round) of tile t: stage t % kStages, round t / kStages, kept as counters because
-  // kStages need not be a power of two.
-  int produce_stage = 0, produce_round = 0;
-  auto produce = [&](int t, int window_ids) {  // called by warp 0 for t = 0, 1, 2, ... in order
-    const int stage = produce_stage, round = produce_round;
-    if (++produce_stage == C::kStages) {
-      produce_stage = 0;
-      ++produce_round;
-    }
+  auto produce = [&](int t, int window_ids) {
+    const int stage = t % C::kStages;
     const int block = __shfl_sync(kFullMask, window_ids, t & 31);
-    if (round > 0) {  // the stage's tile of the round before must be freed
-      if (lane == 0) mbarrier_wait(&empty[stage], (round - 1) & 1);
+    if (t >= C::kStages) {
+      if (lane == 0) mbarrier_wait(&empty[stage], ((t / C::kStages) - 1) & 1);
       __syncwarp();
     }
     const bool ok = block_ok(block);
@@ -178,13 +150,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
     for (int t = 0; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
   }
 
-  const uint32_t table_lane = device::pair_table_lane_address<C::kTableReplicas>(pair_table, lane);  // this lane's table replica
+  const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
   TileAttention<C::kKSteps> st;
   const uint8_t* const my_slots = ring + warp * C::kSlotBytes;  // this warp's head in every row
   // The tile loop for slots at kMisalign mod 4 (one instantiation per offset a warp can have).
   auto tile_loop = [&](auto misalign) {
     constexpr int kMisalign = decltype(misalign)::value;
-    int stage = 0, phase = 0;  // of tile it: it % kStages, (it / kStages) & 1
     for (int it = 0; it < num_tiles; ++it) {
       if ((it & 31) == 0 && it > 0) {  // CTA-uniform: the next window of block ids
         ids = next_ids;
@@ -193,7 +164,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
       const int t = it + C::kStages - 1;
       if (warp == 0 && t < num_tiles) produce(t, (t >> 5) == (it >> 5) ? ids : next_ids);
 
-      mbarrier_wait(&full[stage], phase);
+      const int stage = it % C::kStages;
+      mbarrier_wait(&full[stage], (it / C::kStages) & 1);
       const uint8_t* rows = my_slots + stage * C::kTileBytes;
       auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes; };
       const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
@@ -202,10 +174,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
                                 limit0, limit1, table_lane, qf, st);
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) mbarrier_arrive(&empty[stage]);
-      if (++stage == C::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
     }
   };
   if constexpr (C::kSlotBytes % 4 == 0) {

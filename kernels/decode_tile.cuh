@@ -31,7 +31,7 @@ struct TileFragments {
   static constexpr int kValueChunkBytes = (D / 8) * S::VB / 8;  // PV: thread g owns dims [g D/8, (g+1) D/8)
   static constexpr int kValueWords = cdiv(kValueChunkBytes, 4);
   static constexpr int kKSteps = D / 16;
-  static constexpr int kPairTableWords = S::kFp8Key ? 0 : (1 << (2 * S::KB)) * S::kTableReplicas;
+  static constexpr int kPairTableWords = S::kFp8Key ? 0 : (1 << (2 * S::KB)) * 32;
 };
 
 namespace device {
@@ -76,13 +76,11 @@ struct TileAttention {
 // when valid_lo / valid_hi and below the column's limit (limit0, limit1: columns 2c, 2c + 1).
 // Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
 // This lane's replica of the pair table as a shared-memory address (entry `pair` of lane l is
-// word pair * kReplicas + l % kReplicas), hidden from the compiler behind a move: otherwise it
-// re-derives the lane from the thread index inside every lookup (two extra ALU ops each, SASS of
-// nvcc 13.0).
-template <int kReplicas>
+// word pair * 32 + l), hidden from the compiler behind a move: otherwise it re-derives the lane
+// from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0).
 __device__ __forceinline__ uint32_t pair_table_lane_address(const uint32_t* pair_table, int lane) {
   uint32_t a;
-  asm("mov.b32 %0, %1;" : "=r"(a) : "r"(smem_address(pair_table) + 4u * static_cast<uint32_t>(lane % kReplicas)));
+  asm("mov.b32 %0, %1;" : "=r"(a) : "r"(smem_address(pair_table) + 4u * static_cast<uint32_t>(lane)));
   return a;
 }
 
@@ -93,15 +91,13 @@ __device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
 }
 
 // The half2 pair-table entry for the pair of key codes at `bit` of w. For 4-bit keys a pair is a
-// byte: one PRMT isolates it and one LEA scales and adds it (2 ALU ops); other widths shift and
-// mask (one replica per bank only).
-template <int KB, int kReplicas, int NW>
+// byte: one PRMT isolates it and one LEA scales and adds it (2 ALU ops); other widths shift and mask.
+template <int KB, int NW>
 __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t table_lane) {
   if constexpr (KB == 4) {
     const uint32_t pair = __byte_perm(w[bit >> 5], 0u, 0x4440u | static_cast<uint32_t>((bit >> 3) & 3));
-    return load_shared_word(table_lane + pair * (4u * kReplicas));
+    return load_shared_word(table_lane + (pair << 7));
   } else {
-    static_assert(kReplicas == 32, "pair_entry_offset scales by 128 bytes");
     return load_shared_word(table_lane + pair_entry_offset(w, bit, 2 * KB, 0u));
   }
 }
@@ -131,7 +127,7 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
   }
   // Two accumulators halve the chain of dependent MMAs.
   float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) { return pair_entry<S::KB, S::kTableReplicas>(w, bit, table_lane); };
+  auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) { return pair_entry<S::KB>(w, bit, table_lane); };
 #pragma unroll
   for (int j = 0; j < F::kKSteps; ++j) {
     uint32_t a0, a1, a2, a3;
