@@ -78,10 +78,9 @@ if has tests; then
 fi
 if has sanitize || has race_control; then
   wait
-  for mode in ring no_wait; do  # racecheck's verdict on the control (benchmarks/probes/ring_racecheck_probe.cu)
-    compute-sanitizer --tool racecheck "$OUT/ring_probe.bin" "$mode" > "$OUT/ring_racecheck_$mode.log" 2>&1
-    echo "== racecheck control, $mode: $(grep -E '^mode' "$OUT/ring_racecheck_$mode.log") | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/ring_racecheck_$mode.log" | tail -1) | $(grep -c 'Race reported' "$OUT/ring_racecheck_$mode.log") race reports"
-  done
+  # racecheck's verdict on the control (benchmarks/probes/ring_racecheck_probe.cu)
+  timeout 60 compute-sanitizer --tool racecheck "$OUT/ring_probe.bin" > "$OUT/ring_racecheck.log" 2>&1
+  echo "== racecheck control (exit $?): $(grep -E '^ring' "$OUT/ring_racecheck.log") | $(grep -E 'RACECHECK SUMMARY' "$OUT/ring_racecheck.log" | tail -1)"
 fi
 if has sanitize; then
   for t in memcheck racecheck synccheck rows_memcheck rows_racecheck; do
