@@ -48,6 +48,19 @@ def test_rows_decode_matches_cpu(preset, head_dim, group, num_splits):
     assert rel_err(out, ref) <= 2e-3
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rows_decode_long_context_in_one_split(preset):
+    """16,384 tokens accumulated by one split (the caller may force num_splits=1): the fp32 sums of
+    the tensor cores run over 1,024 tiles. A change that costs accumulator bits (biased value
+    codes did: rel. error 5e-3 at 2,000 tokens) fails here first."""
+    cache, bt, sl, _, _ = make_paged_batch([16384, 3000], 16, 8, 128, preset, seed=7)
+    q = torch.randn(2, 32, 128).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 128 ** -0.5, 4)
+    for splits in (1, 0):
+        out = _poisoned_decode(q, cache, bt, sl, preset, 128 ** -0.5, splits)
+        assert rel_err(out, ref) <= 2e-3, splits
+
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("kv_heads, head_dim", [(16, 128), (24, 128), (16, 64)])
 def test_rows_decode_several_head_groups(preset, kv_heads, head_dim):
