@@ -4,8 +4,8 @@
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L"
-# picks the profiled decode shape (default 32 32 8 8192); AB_PATCH=<file> (step ab: a diff from a
-# base commit to this tree) rebuilds the base in a copy and times small decode shapes and chunked
+# picks the profiled decode shape (default 32 32 8 8192); AB_PATCH="<file> [<file> ...]" (step ab:
+# each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
@@ -138,17 +138,22 @@ if has ab_rows; then  # the two plain-decode kernels of this build, alternating 
     PYTHONPATH=python TURBOQUANT_DECODE_KERNEL=rows timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits_rows.md" 2>&1 | tee "$OUT/splits_rows.log" | grep -E "^\|" || status=1
   fi
 fi
-if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its own build
-  base=/tmp/ab_base; rm -rf "$base"; mkdir -p "$base"; out_abs=$(cd "$OUT" && pwd); here=$(pwd)
-  tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
-  # -f: never prompt. A patch that does not reverse (the tree is not the patched one) stops the
-  # A/B here rather than timing the tree against itself.
-  rounds=${AB_ROUNDS:-2}
-  (cd "$base" && patch -R -p1 -s -f < "$here/$AB_PATCH" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build.log" 2>&1 \
-    || { status=1; rounds=0; echo "== ab: the base tree did not build (AB_PATCH does not reverse here?)"; tail -20 "$OUT/ab_build.log"; }
+if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in its own copy and build
+  out_abs=$(cd "$OUT" && pwd); here=$(pwd); rounds=${AB_ROUNDS:-2}; trees=(.); labels=(change)
+  for patch_file in $AB_PATCH; do  # several patches: one base tree each, labelled by the file's name
+    name=$(basename "$patch_file" .patch); base=/tmp/ab_base_$name; rm -rf "$base"; mkdir -p "$base"
+    tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
+    # -f: never prompt. A patch that does not reverse (the tree is not the patched one) stops the
+    # A/B here rather than timing the tree against itself.
+    if (cd "$base" && patch -R -p1 -s -f < "$here/$patch_file" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build_$name.log" 2>&1; then
+      trees+=("$base"); labels+=("base_$name")
+    else
+      status=1; rounds=0; echo "== ab: the base tree of $patch_file did not build (it does not reverse here?)"; tail -20 "$OUT/ab_build_$name.log"
+    fi
+  done
   for round in $(seq "$rounds"); do
-    for tree in . "$base"; do
-      label=$([ "$tree" = . ] && echo change || echo base)
+    for i in "${!trees[@]}"; do
+      tree=${trees[$i]}; label=${labels[$i]}
       (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} \
         --out "$out_abs/ab_$label.md" && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
@@ -156,9 +161,9 @@ if has ab; then  # A/B against the base tree: AB_PATCH reversed in a copy, its o
         --presets turboquant_4bit_nc turboquant_k8v4 --out "$out_abs/ab_store_$label.md"; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
     done
   done
-  for label in change base; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
+  for label in "${labels[@]}"; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
   if [ "${AB_STORE:-0}" != 0 ]; then
-    for label in change base; do echo "== ab store: $label"; grep -E "^\| (turboquant_)?(4bit_nc|k8v4) \|" "$OUT/ab_store_$label.md"; done
+    for label in "${labels[@]}"; do echo "== ab store: $label"; grep -E "^\| (turboquant_)?(4bit_nc|k8v4) \|" "$OUT/ab_store_$label.md"; done
   fi
 fi
 echo "== done in $(( $(date +%s) - start )) s"
