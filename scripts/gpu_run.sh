@@ -3,7 +3,7 @@
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
-# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L"
+# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH="<file> [<file> ...]" (step ab:
 # each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
@@ -119,7 +119,13 @@ ncu_profile() {
 }
 # The plain-decode kernel the default picks for the shape (decode_rows_kernel or decode_kernel;
 # TURBOQUANT_DECODE_KERNEL=heads|rows forces one).
-if has profile; then ncu_profile decode_profile "decode_(rows_)?kernel" decode ${DECODE_SHAPE:+--shape $DECODE_SHAPE}; fi
+if has profile; then  # DECODE_SHAPE may list several shapes, separated by ";": one profile each
+  IFS=';' read -ra profile_shapes <<< "${DECODE_SHAPE:-32 32 8 8192}"
+  for shape in "${profile_shapes[@]}"; do
+    name=decode_profile; [ "${#profile_shapes[@]}" -gt 1 ] && name=decode_profile_$(echo $shape | tr ' ' '_')
+    ncu_profile "$name" "decode_(rows_)?kernel" decode --shape $shape
+  done
+fi
 if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
