@@ -36,10 +36,10 @@ wait
 echo "== built in $(( $(date +%s) - start )) s"
 status=0
 if has probe; then
-  echo "== paged read probe (data movement only)"; "$OUT/probe.bin" | tee "$OUT/probe.md" || status=1
+  echo "== paged read probe (data movement only)"; timeout 120 "$OUT/probe.bin" | tee "$OUT/probe.md" || status=1
   # A box starting off a 16-byte boundary is expected to fault: each start in its own process.
   echo "== TMA box starts (x: bytes into the token row)"; echo "| x | result |"; echo "|---|---|"
-  for x in 0 16 144 2 8 134; do "$OUT/tma_probe.bin" "$x"; done | tee "$OUT/tma_probe.md"
+  for x in 0 16 144 2 8 134; do timeout 30 "$OUT/tma_probe.bin" "$x"; done | tee "$OUT/tma_probe.md"
 fi
 if has diagnose; then
   echo "== decode knobs"; timeout 240 "$PYTHON" benchmarks/diagnose_decode.py 2>&1 | tee "$OUT/diagnose.md" || status=1
