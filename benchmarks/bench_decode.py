@@ -1,7 +1,7 @@
 """Decode benchmark: turboquant decode on the packed paged cache vs torch SDPA bf16 on a dense
 cache of the same shape (best of its backends), in one process, plus the copy bandwidth.
 
-    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab] [--out results.md]
+    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab|fill] [--out results.md]
 
 Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation
 (both for turboquant and for SDPA), so small shapes measure the kernels rather than Python and
@@ -34,6 +34,11 @@ SHAPES = {  # (B, Hq, Hkv, L)
     "quick": [(32, 32, 8, 8192), (16, 64, 8, 16384)],
     "small": [(1, 32, 8, 32768), (1, 32, 8, 8192), (8, 32, 8, 8192)],  # set-up/latency-bound: A/B runs
     "ab": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (16, 64, 8, 16384)],  # A/B of loop changes
+    # Around the row kernel's selection rule (turboquant/split_plan.h, row_kernel_fills_device:
+    # batch x head groups x L/256 x 2 >= SMs), where neither kernel has been timed against the
+    # other: `AB_SHAPES=fill gpu_run.sh ab_rows` times both.
+    "fill": [(1, 32, 8, 4096), (2, 32, 8, 4096), (4, 32, 8, 4096), (8, 32, 8, 4096), (4, 32, 8, 2048),
+             (8, 32, 8, 2048), (16, 32, 8, 2048), (2, 32, 8, 16384)],
 }
 HEAD_DIM, BLOCK_SIZE = 128, 16
 
