@@ -70,11 +70,6 @@ struct TileAttention {
   }
 };
 
-// The tile step (table_lane: pair_table_lane_address): slot_ptr(r) is row r's slot in shared memory (2-byte aligned, one readable word
-// past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
-// picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the tile are at positions pos_lo and pos_lo + 8 and count
-// when valid_lo / valid_hi and below the column's limit (limit0, limit1: columns 2c, 2c + 1).
-// Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
 // This lane's replica of the pair table as a shared-memory address (entry `pair` of lane l is
 // word pair * 32 + l), hidden from the compiler behind a move: otherwise it re-derives the lane
 // from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0).
@@ -84,6 +79,8 @@ __device__ __forceinline__ uint32_t pair_table_lane_address(const uint32_t* pair
   return a;
 }
 
+// A shared-memory word by address. Not volatile and without a memory clobber: only for data that
+// no longer changes once the loop runs (the pair table, written before the staging barrier).
 __device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
   uint32_t v;
   asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(address));
@@ -91,7 +88,7 @@ __device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
 }
 
 // The half2 pair-table entry for the pair of key codes at `bit` of w. For 4-bit keys a pair is a
-// byte: one PRMT isolates it and one LEA scales and adds it (2 ALU ops); other widths shift and mask.
+// byte: one PRMT isolates it and one IMAD scales and adds it (2 ALU ops); other widths shift and mask.
 template <int KB, int NW>
 __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t table_lane) {
   if constexpr (KB == 4) {
@@ -102,6 +99,12 @@ __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit,
   }
 }
 
+// The tile step: slot_ptr(r) is row r's slot in shared memory (2-byte aligned, one readable word
+// past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
+// picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the
+// tile are at positions pos_lo and pos_lo + 8 and count when valid_lo / valid_hi and below the
+// column's limit (limit0, limit1: columns 2c, 2c + 1); table_lane is pair_table_lane_address.
+// Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
 template <class S, int kSlotMisalign = kUnknownMisalign, class SlotPtr>
 __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo, bool valid_lo, bool valid_hi,
                                             int limit0, int limit1, uint32_t table_lane,
