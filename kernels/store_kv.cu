@@ -130,27 +130,25 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     } else {
       const float norm = sqrtf(device::group_sum_of_squares<E, G>(k));
       const float denom = norm + kKeyNormEpsilon;
-      // A finite key's normalized rotated coordinates are at most 1 in magnitude, where the grid is
-      // exact; the shared reciprocal is exact unless one of this lane's elements is tiny or zero
-      // (quotients_exact). Anything else takes the plain path, per vector or per lane.
-      const bool finite_key = isfinite(norm) && reciprocal_division_exact(denom);
-      const float reciprocal = 1.0f / denom;
-      float smallest = fabsf(k[0]);
-#pragma unroll
-      for (int j = 1; j < E; ++j) smallest = fminf(smallest, fabsf(k[j]));
-      if (finite_key && quotients_exact(reciprocal, smallest)) {
-#pragma unroll
-        for (int j = 0; j < E; ++j) k[j] = divide_by_reciprocal(k[j], denom, reciprocal);
-      } else {
+      // Rotation first, normalization after: H (k / denom) * rsqrt_d = (H k) * (rsqrt_d / denom),
+      // one multiply per coordinate instead of a division and a multiply. The coordinates differ
+      // from the CPU's (which divides first) only by float rounding, so an index can differ only
+      // where a coordinate lies within rounding of a midpoint (issue #3 allows < 1e-4 of them;
+      // tests/python/test_cuda.py checks both). A key whose rotated elements could overflow
+      // (|H k|_j <= sqrt(D) * norm), a non-finite key, or a codebook the grid cannot hold takes
+      // the CPU's own order: division, rotation, binary search.
+      const bool folded = norm <= 0x1p120f && grid.usable;  // false for NaN and inf
+      if (!folded) {
 #pragma unroll
         for (int j = 0; j < E; ++j) k[j] = k[j] / denom;
       }
       device::group_fwht<E, G>(k, lane);
       uint32_t idx[E];
-      if (finite_key && grid.usable) {
+      if (folded) {
+        const float coordinate_scale = rsqrt_d / denom;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-          const float y = mul_rn(k[j], rsqrt_d);
+          const float y = mul_rn(k[j], coordinate_scale);
           idx[j] = lloyd_max_index_on_grid(y, cells[grid_cell(y, grid.scale, grid.biased_offset)]);
         }
       } else {
@@ -178,15 +176,13 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     const ValueQuantParams q =
         value_quant_params(device::group_min<G>(vmin), device::group_max<G>(vmax), kValueBits);
     uint32_t codes[E];
-    // A finite zero and scale bound every quotient of a finite value (and a non-finite value
-    // makes one of them non-finite); quotients the shared reciprocal gets one ulp off are tiny
-    // and code to 0 either way (quantize.h), so the codes equal value_code's.
+    // One reciprocal per vector and one FMA per code: floor((v - zero) * (1 / scale) + 0.5) is the
+    // CPU's floor((v - zero) / scale + 0.5) up to float rounding of the quotient, so a code can
+    // differ only where the quotient lies within rounding of a half-integer (the tests check it).
     if (q.scale != 0.0f && reciprocal_division_exact(q.scale) && isfinite(q.zero)) {
       const float reciprocal = 1.0f / q.scale;
 #pragma unroll
-      for (int j = 0; j < E; ++j) {
-        codes[j] = value_code_of_quotient(divide_by_reciprocal(v[j] - q.zero, q.scale, reciprocal), kValueBits);
-      }
+      for (int j = 0; j < E; ++j) codes[j] = value_code_of_rounded(fma_rn(v[j] - q.zero, reciprocal, 0.5f), kValueBits);
     } else {
 #pragma unroll
       for (int j = 0; j < E; ++j) codes[j] = value_code(v[j], q, kValueBits);

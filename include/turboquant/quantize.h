@@ -62,19 +62,22 @@ TQ_HD ValueQuantParams value_quant_params(float vmin, float vmax, int value_bits
   return p;
 }
 
-// The code of a value whose quotient (v - zero) / scale is t: clamp(floor(t + 0.5), 0, 2^b - 1),
-// NaN -> 0. The GPU converts with floor in one instruction (NaN converts to 0, out-of-range
-// values saturate before the clamp), the same result.
-TQ_HD uint32_t value_code_of_quotient(float t, int value_bits) {
-  const int hi = (1 << value_bits) - 1;
+// clamp(floor(u), 0, 2^b - 1), NaN -> 0: the code of a value whose quotient plus one half is u.
+// The GPU converts with floor to unsigned in one instruction (negative values and NaN convert to
+// 0, the destination range saturates), then takes one min: the same result.
+TQ_HD uint32_t value_code_of_rounded(float u, int value_bits) {
+  const uint32_t hi = (1u << value_bits) - 1u;
 #if defined(__CUDA_ARCH__)
-  return static_cast<uint32_t>(min(max(__float2int_rd(t + 0.5f), 0), hi));
+  return min(__float2uint_rd(u), hi);
 #else
-  const float r = floorf(t + 0.5f);
+  const float r = floorf(u);
   const float c = r < 0.0f ? 0.0f : (r > static_cast<float>(hi) ? static_cast<float>(hi) : r);
   return r == r ? static_cast<uint32_t>(c) : 0u;
 #endif
 }
+
+// The code of a value whose quotient (v - zero) / scale is t: clamp(floor(t + 0.5), 0, 2^b - 1).
+TQ_HD uint32_t value_code_of_quotient(float t, int value_bits) { return value_code_of_rounded(t + 0.5f, value_bits); }
 
 // q = clamp(floor((v - zero) / scale + 0.5), 0, 2^b - 1); scale == 0 stores 0.
 TQ_HD uint32_t value_code(float v, const ValueQuantParams& p, int value_bits) {
