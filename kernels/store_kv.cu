@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
   __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
   __shared__ GridCell cells[kGridCells];
   if constexpr (!kFp8Key) {
-    for (int i = threadIdx.x; i < kGridCells; i += blockDim.x) cells[i] = grid.cell[i];
+    if (grid.usable) {
+      for (int t = threadIdx.x; t < kGridCells; t += blockDim.x) cells[t] = grid_cell_entry(p.codebook, grid, t);
+    }
     if (threadIdx.x < kMaxCodebookLevels) {
       centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
       midpoint[threadIdx.x] = threadIdx.x < kMaxCodebookLevels - 1 ? p.codebook.midpoint[threadIdx.x] : INFINITY;
@@ -145,11 +147,13 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
       device::group_fwht<E, G>(k, lane);
       uint32_t idx[E];
       if (folded) {
-        const float coordinate_scale = rsqrt_d / denom;
+        // A fast division (two instructions; denom <= 2^121): the coordinates need not round as
+        // the CPU's do, only to within a few ulps.
+        const float coordinate_scale = __fdividef(rsqrt_d, denom);
 #pragma unroll
         for (int j = 0; j < E; ++j) {
           const float y = mul_rn(k[j], coordinate_scale);
-          idx[j] = lloyd_max_index_on_grid(y, cells[grid_cell(y, grid.scale, grid.biased_offset)]);
+          idx[j] = lloyd_max_index_on_grid(y, cells[grid_cell(y, grid)]);
         }
       } else {
 #pragma unroll
@@ -161,7 +165,8 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
         float c[E];
 #pragma unroll
         for (int j = 0; j < E; ++j) c[j] = centroid[idx[j]];
-        stored = norm / sqrtf(device::group_sum_of_squares<E, G>(c));
+        // rsqrtf's couple of ulps move the fp16 norm by one ulp at most (issue #3 allows one).
+        stored = norm * rsqrtf(device::group_sum_of_squares<E, G>(c));
       }
       key_norm_bits = key_norm_half_bits(stored);
     }
@@ -180,7 +185,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     // CPU's floor((v - zero) / scale + 0.5) up to float rounding of the quotient, so a code can
     // differ only where the quotient lies within rounding of a half-integer (the tests check it).
     if (q.scale != 0.0f && reciprocal_division_exact(q.scale) && isfinite(q.zero)) {
-      const float reciprocal = 1.0f / q.scale;
+      const float reciprocal = __fdividef(1.0f, q.scale);  // within an ulp: fine for codes
 #pragma unroll
       for (int j = 0; j < E; ++j) codes[j] = value_code_of_rounded(fma_rn(v[j] - q.zero, reciprocal, 0.5f), kValueBits);
     } else {

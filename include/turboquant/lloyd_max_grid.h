@@ -2,7 +2,7 @@
 // (quantize.h) with one shared-memory load and one comparison per coordinate instead of a
 // log2(levels)-step binary search.
 //
-// A uniform grid of cells covers the midpoints. cell(y) = clamp(round(y * scale + offset)) is
+// A uniform grid of cells covers the midpoints. cell(y) = round(y * scale + offset) is
 // non-decreasing in y (an FMA and a rounding are monotone), so for a midpoint m:
 //   cell(m) < cell(y)  implies  m <= y   (m > y would give cell(m) >= cell(y)),
 //   cell(m) > cell(y)  implies  m >  y.
@@ -19,7 +19,11 @@
 
 namespace turboquant {
 
-constexpr int kGridCells = 64;
+// 512 cells of 8 bytes (4 KB of shared memory) spanning [-kGridReach, kGridReach]: every coordinate
+// of a unit vector lands inside without a clamp, and the cells (about 0.004 wide) are narrower than
+// the closest midpoints of the preset codebooks (0.016 apart at 4 bits, D = 256).
+constexpr int kGridCells = 512;
+constexpr float kGridReach = 1.0f + 0x1p-6f;
 // Adding 1.5 * 2^23 leaves round(x) in the low mantissa bits of the sum, for |x| < 2^22.
 constexpr float kRoundingBias = 12582912.0f;
 
@@ -28,51 +32,46 @@ struct GridCell {
   uint32_t below;     // midpoints in lower cells
 };
 
+// cell(y) = round(y * scale + kGridCells / 2): a function of y alone, the same for every codebook;
+// usable says the codebook's midpoints fit (inside the reach, at most one per cell).
 struct LloydMaxGrid {
   bool usable = false;
-  float scale = 0.0f;
-  float biased_offset = 0.0f;  // offset + kRoundingBias
-  GridCell cell[kGridCells] = {};
+  float scale = static_cast<float>(kGridCells / 2 - 1) / kGridReach;
+  float biased_offset = kRoundingBias + static_cast<float>(kGridCells / 2);
 };
 
-// Valid for |y| * scale < 2^21, i.e. any coordinate of a unit vector (the store only uses the
-// grid for finite keys, whose normalized rotated coordinates are at most 1 in magnitude). A NaN y
-// lands in some cell and gets an index there, unlike lloyd_max_index's 0: another reason the
-// kernel takes the binary search for non-finite keys.
-TQ_HD int grid_cell(float y, float scale, float biased_offset) {
-  const float biased = fma_rn(y, scale, biased_offset);
-  const int cell = static_cast<int>(float_bits(biased) - float_bits(kRoundingBias));
-  return cell < 0 ? 0 : (cell > kGridCells - 1 ? kGridCells - 1 : cell);
+// Cell of y, for |y| <= kGridReach (then 1 <= cell <= kGridCells - 1): no clamp. The store only
+// looks up finite keys' rotated coordinates divided by a denominator above their norm, which are
+// at most 1 + 2^-20 in magnitude (float rounding of an orthonormal transform).
+TQ_HD int grid_cell(float y, const LloydMaxGrid& g) {
+  return static_cast<int>(float_bits(fma_rn(y, g.scale, g.biased_offset)) - float_bits(kRoundingBias));
 }
 
 TQ_HD uint32_t lloyd_max_index_on_grid(float y, const GridCell& c) {
   return c.below + (c.midpoint <= y ? 1u : 0u);
 }
 
-// The grid of a codebook: cells centered on 0 (0 lands in cell 32), the outermost midpoints in
-// cells 1 and 63. Unusable (kernel falls back to the binary search) for codebooks it cannot hold.
+// The content of cell t of a codebook's table: computed per CTA by the kernel (a few hundred
+// comparisons per thread) and by the GTest, from the codebook's midpoints.
+TQ_HD GridCell grid_cell_entry(const Codebook& codebook, const LloydMaxGrid& g, int t) {
+  GridCell c{bits_float(0x7fc00000u), 0u};
+  for (int j = 0; j < codebook.levels - 1; ++j) {
+    const int cell = grid_cell(codebook.midpoint[j], g);
+    if (cell < t) ++c.below;
+    if (cell == t) c.midpoint = codebook.midpoint[j];
+  }
+  return c;
+}
+
+// Whether the grid can hold a codebook: midpoints inside the reach (so their cells are in the
+// table), ascending, one per cell. Otherwise the kernel falls back to the binary search.
 TQ_HD LloydMaxGrid make_lloyd_max_grid(const Codebook& codebook) {
   LloydMaxGrid g;
   const int mids = codebook.levels - 1;
   if (mids < 1 || mids > kMaxCodebookLevels - 1) return g;
-  float reach = 0.0f;
-  for (int j = 0; j < mids; ++j) reach = fmaxf(reach, fabsf(codebook.midpoint[j]));
-  // Midpoints of a unit vector's coordinates, spread enough that |y| <= 1 keeps |y| * scale < 2^21.
-  if (!(reach >= 0x1p-15f && reach < 1.0f)) return g;
-  g.scale = static_cast<float>(kGridCells / 2 - 1) / reach;
-  g.biased_offset = kRoundingBias + static_cast<float>(kGridCells / 2);
-  int cell_of[kMaxCodebookLevels];
   for (int j = 0; j < mids; ++j) {
-    cell_of[j] = grid_cell(codebook.midpoint[j], g.scale, g.biased_offset);
-    if (j > 0 && cell_of[j] <= cell_of[j - 1]) return g;  // two midpoints share a cell
-  }
-  for (int t = 0; t < kGridCells; ++t) {
-    g.cell[t].midpoint = bits_float(0x7fc00000u);
-    g.cell[t].below = 0;
-    for (int j = 0; j < mids; ++j) {
-      if (cell_of[j] < t) ++g.cell[t].below;
-      if (cell_of[j] == t) g.cell[t].midpoint = codebook.midpoint[j];
-    }
+    if (!(fabsf(codebook.midpoint[j]) < 1.0f)) return g;
+    if (j > 0 && grid_cell(codebook.midpoint[j], g) <= grid_cell(codebook.midpoint[j - 1], g)) return g;
   }
   g.usable = true;
   return g;

@@ -134,9 +134,13 @@ TEST(LloydMaxGrid, SameIndexAsBinarySearchForEveryPresetCodebook) {
       const Codebook& cb = gaussian_codebook(bits, d);
       const LloydMaxGrid g = make_lloyd_max_grid(cb);
       ASSERT_TRUE(g.usable) << bits << " bits, D=" << d;
+      std::vector<GridCell> table(kGridCells);  // as each store CTA builds it
+      for (int t = 0; t < kGridCells; ++t) table[t] = grid_cell_entry(cb, g, t);
       auto check = [&](float y) {
         const uint32_t want = lloyd_max_index(y, cb.midpoint, cb.levels);
-        const uint32_t got = lloyd_max_index_on_grid(y, g.cell[grid_cell(y, g.scale, g.biased_offset)]);
+        const int cell = grid_cell(y, g);
+        ASSERT_TRUE(cell >= 1 && cell <= kGridCells - 1) << "y=" << y;
+        const uint32_t got = lloyd_max_index_on_grid(y, table[cell]);
         ASSERT_EQ(got, want) << "y=" << y << " bits=" << bits << " D=" << d;
       };
       // Every midpoint and its float neighbours (the ties and near-ties), zero and both signs.
@@ -149,6 +153,8 @@ TEST(LloydMaxGrid, SameIndexAsBinarySearchForEveryPresetCodebook) {
       check(-0.0f);
       check(1.0f);
       check(-1.0f);
+      check(kGridReach);  // the reach's ends still land inside the table
+      check(-kGridReach);
       // Coordinates of unit vectors: Gaussian around 1/sqrt(D), and uniform over [-1, 1].
       std::normal_distribution<float> coordinate(0.0f, 1.0f / std::sqrt(static_cast<float>(d)));
       std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
