@@ -79,6 +79,17 @@ __device__ __forceinline__ Destination destination_of(const StoreParams& p, int6
   return {inside ? slot : -1, head};
 }
 
+// The grid cell of coordinate y (|y| <= kGridReach), one 16-byte shared load. Not volatile: the
+// table is written once, before the CTA's barrier.
+__device__ __forceinline__ GridCell load_grid_cell(uint32_t cells_biased, float y, const LloydMaxGrid& grid) {
+  const uint32_t address = cells_biased + float_bits(fma_rn(y, grid.scale, grid.biased_offset)) * sizeof(GridCell);
+  GridCell c;
+  asm("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+      : "=f"(c.midpoint), "=r"(c.below), "=f"(c.square_below), "=f"(c.square_above)
+      : "r"(address));
+  return c;
+}
+
 template <typename T, int D, int kKeyBits, int kValueBits>
 __global__ void __launch_bounds__(kStoreWarps * 32)
     store_kv_kernel(const StoreParams p, const LloydMaxGrid grid, const float rsqrt_d, const int block_shift) {
@@ -90,7 +101,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
   static_assert(G * E == D && kKeyChunk % 2 == 0 && kValueChunk % 2 == 0, "lane pieces are whole halfwords");
 
   __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
-  __shared__ GridCell cells[kGridCells];
+  __shared__ __align__(16) GridCell cells[kGridCells];
   if constexpr (!kFp8Key) {
     if (grid.usable) {
       for (int t = threadIdx.x; t < kGridCells; t += blockDim.x) cells[t] = grid_cell_entry(p.codebook, grid, t);
@@ -101,6 +112,10 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     }
     __syncthreads();
   }
+  // The table's shared address less the grid's rounding bias, so a cell is read at
+  // cells_biased + 16 * float_bits(fma(y, scale, biased offset)) (uint32 arithmetic wraps). The
+  // bias comes from the kernel's parameters: as a constant, the compiler re-adds it in every lookup.
+  const uint32_t cells_biased = device::smem_address(cells) - grid.rounding_bias_bits * static_cast<uint32_t>(sizeof(GridCell));
   const int lane = threadIdx.x & 31;
   const int part = lane & (G - 1);  // which E elements of its vector this lane holds
   const SlotLayout& L = p.layout;
@@ -146,6 +161,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
       }
       device::group_fwht<E, G>(k, lane);
       uint32_t idx[E];
+      float centroid_squares = -0.0f;  // this lane's part of |c|^2 (-0: x + -0 is x, no extra add)
       if (folded) {
         // A fast division (two instructions; denom <= 2^121): the coordinates need not round as
         // the CPU's do, only to within a few ulps.
@@ -153,21 +169,22 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
 #pragma unroll
         for (int j = 0; j < E; ++j) {
           const float y = mul_rn(k[j], coordinate_scale);
-          idx[j] = lloyd_max_index_on_grid(y, cells[grid_cell(y, grid)]);
+          const GridCell cell = load_grid_cell(cells_biased, y, grid);
+          idx[j] = lloyd_max_index_on_grid(y, cell);
+          centroid_squares += squared_centroid_on_grid(y, cell);
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < E; ++j) idx[j] = lloyd_max_index(mul_rn(k[j], rsqrt_d), midpoint, 1 << kKeyBits);
+        for (int j = 0; j < E; ++j) {
+          idx[j] = lloyd_max_index(mul_rn(k[j], rsqrt_d), midpoint, 1 << kKeyBits);
+          centroid_squares = fma_rn(centroid[idx[j]], centroid[idx[j]], centroid_squares);
+        }
       }
       pack_codes<E, kKeyBits>(idx, key_words);
       float stored = norm;
-      if (p.norm_correction) {
-        float c[E];
-#pragma unroll
-        for (int j = 0; j < E; ++j) c[j] = centroid[idx[j]];
-        // rsqrtf's couple of ulps move the fp16 norm by one ulp at most (issue #3 allows one).
-        stored = norm * rsqrtf(device::group_sum_of_squares<E, G>(c));
-      }
+      // rsqrtf's couple of ulps (and squares summed in another order than the CPU's) move the
+      // fp16 norm by one ulp at most (issue #3 allows one).
+      if (p.norm_correction) stored = norm * rsqrtf(device::group_sum<G>(centroid_squares));
       key_norm_bits = key_norm_half_bits(stored);
     }
 

@@ -142,6 +142,8 @@ TEST(LloydMaxGrid, SameIndexAsBinarySearchForEveryPresetCodebook) {
         ASSERT_TRUE(cell >= 1 && cell <= kGridCells - 1) << "y=" << y;
         const uint32_t got = lloyd_max_index_on_grid(y, table[cell]);
         ASSERT_EQ(got, want) << "y=" << y << " bits=" << bits << " D=" << d;
+        const float c = cb.centroid[want];
+        ASSERT_EQ(squared_centroid_on_grid(y, table[cell]), c * c) << "y=" << y;
       };
       // Every midpoint and its float neighbours (the ties and near-ties), zero and both signs.
       for (int j = 0; j < cb.levels - 1; ++j) {
