@@ -36,12 +36,12 @@ def _float64_quotients(key, value, preset, scale, zero):
     return y, t
 
 
-def _compare_caches(gpu, cpu, preset, head_dim, key=None, value=None, slots=None) -> float:
+def _compare_caches(gpu, cpu, preset, head_dim, key=None, value=None, slots=None, max_fraction=1e-4) -> float:
     """Asserts the two caches agree within what issue #3 allows: a key index or value code may
     differ from the CPU's only by one and only where its float64 coordinate lies within float
     rounding of the threshold between the two (a midpoint, or a half-integer quotient), for fewer
-    than 1e-4 of indices; fp16 fields within one ulp; FP8 keys and the value scale and zero
-    identical. Without the inputs (key, value [N, Hkv, D] and slots [N]) any key mismatch counts
+    than max_fraction of indices (None: inputs built to sit on thresholds); fp16 norms within one
+    ulp (NaN matching NaN, whatever its payload); FP8 keys and the value scale and zero identical. Without the inputs (key, value [N, Hkv, D] and slots [N]) any key mismatch counts
     against the 1e-4 and value codes must be equal. gpu and cpu are [blocks, block_size, Hkv, slot]
     caches in logical order. Returns the fraction of differing key indices."""
     info, layout = tq.preset_info(preset), tq.slot_layout(preset, head_dim)
@@ -79,14 +79,14 @@ def _compare_caches(gpu, cpu, preset, head_dim, key=None, value=None, slots=None
         boundary = torch.minimum(gv, cv).to(torch.float64) + 0.5
         gap = (t - boundary).abs()[value_off]
         assert (gap <= 1e-4).all(), f"a value code differs {gap.max().item():.2e} away from a half-integer"
-        assert value_off.double().mean().item() < 1e-4, "too many value codes differ"
+        assert max_fraction is None or value_off.double().mean().item() < max_fraction, "too many value codes differ"
     if info.key_format == "fp8_e4m3":
         return 0.0
     gi = _unpack(g[:, :layout.key_data_bytes], head_dim, info.key_bits)
     ci = _unpack(c[:, :layout.key_data_bytes], head_dim, info.key_bits)
     key_off = gi != ci
     frac = key_off.double().mean().item()
-    assert frac < 1e-4, f"{frac:.2e} of key indices differ"
+    assert max_fraction is None or frac < max_fraction, f"{frac:.2e} of key indices differ"
     if key_off.any() and y is not None:
         assert ((gi - ci).abs()[key_off] == 1).all(), "key indices differ by more than one"
         _, midpoints = tq.codebook(info.key_bits, head_dim)
@@ -96,7 +96,8 @@ def _compare_caches(gpu, cpu, preset, head_dim, key=None, value=None, slots=None
     no = layout.key_norm_offset
     gn = g[:, no:no + 2].contiguous().view(torch.int16).to(torch.int32)
     cn = c[:, no:no + 2].contiguous().view(torch.int16).to(torch.int32)
-    assert (gn - cn).abs().max().item() <= 1, "key norms differ by more than one fp16 ulp"
+    both_nan = as_half(g, no).isnan() & as_half(c, no).isnan()
+    assert ((gn - cn).abs()[~both_nan] <= 1).all(), "key norms differ by more than one fp16 ulp"
     return frac
 
 
@@ -329,7 +330,7 @@ def test_store_like_cpu_for_tiny_elements_and_signed_zeros(preset, head_dim):
     slots = torch.arange(n)
     tq.store_kv(key, value, cpu, slots, preset)
     tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), preset)
-    _compare_caches(gpu, cpu, preset, head_dim, key, value, slots)
+    _compare_caches(gpu, cpu, preset, head_dim, key, value, slots, max_fraction=None)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
