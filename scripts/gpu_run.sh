@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control ab ab_rows
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH="<file> [<file> ...]" (step ab:
@@ -9,7 +9,7 @@
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
-# default 2; AB_CONTINUATION=0 leaves out the continuation table; AB_STORE=1 adds bench_store.py
+# default 2; AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
 # for 4bit_nc and k8v4); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
@@ -46,6 +46,10 @@ if has diagnose; then
 fi
 if has splits; then  # decode time against the split count at batch 1..16 (the split rule's evidence)
   echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
+fi
+if has subnormal; then  # standalone: does the PV MMA take fp16 subnormal value codes exactly?
+  nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/mma_subnormal_probe.cu -o "$OUT/mma_probe.bin" \
+    > "$OUT/mma_probe_build.log" 2>&1 && timeout 60 "$OUT/mma_probe.bin" | tee "$OUT/mma_probe.txt" || status=1
 fi
 if has sanitize || has race_control; then  # a standalone control: can racecheck see the row kernel's mbarrier ring at all?
   nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/ring_racecheck_probe.cu -o "$OUT/ring_probe.bin" \
@@ -160,14 +164,14 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
   for round in $(seq "$rounds"); do
     for i in "${!trees[@]}"; do
       tree=${trees[$i]}; label=${labels[$i]}
-      (cd "$tree" && timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} \
-        --out "$out_abs/ab_$label.md" && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
+      (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" \
+        --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
         { [ "${AB_STORE:-0}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_store.py \
         --presets turboquant_4bit_nc turboquant_k8v4 --out "$out_abs/ab_store_$label.md"; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
     done
   done
-  for label in "${labels[@]}"; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
+  [ "${AB_DECODE:-1}" = 0 ] || for label in "${labels[@]}"; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
   if [ "${AB_STORE:-0}" != 0 ]; then
     for label in "${labels[@]}"; do echo "== ab store: $label"; grep -E "^\| (turboquant_)?(4bit_nc|k8v4) \|" "$OUT/ab_store_$label.md"; done
   fi
