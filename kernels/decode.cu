@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   uint8_t* scratch = smem;
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = opaque<int>(threadIdx.x & 31), warp = opaque<int>(threadIdx.x >> 5);  // in registers (see decode_rows.cu)
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
   const int kv_head = blockIdx.x / head_chunks;
   const int head_chunk = blockIdx.x % head_chunks;
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     };
     const int pos_lo = tile_start(it) + g;
     const bool tile_ok = tile_code >= 0;
-    device::attend_tile<C>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
+    device::attend_tile<C>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
                            limit0, limit1, table_lane, qf, st);
     // The next iteration refills this stage: every lane's reads of it are done before that.
     __syncwarp();

@@ -8,9 +8,10 @@
 //   * all threads copy the step's 64 slots into a CTA-wide ring (cp.async, one 16-byte chunk per
 //     thread and row), S - 1 steps ahead;
 //   * all threads dequantize it once into shared memory as fp16: keys in the rotated basis
-//     (pair-table lookups or FP8 conversion, natural dim order), values as their raw integer
-//     codes (within each group of 4 dims stored as d0 d2 d1 d3, undone when writing the output),
-//     plus each row's norm, value scale and zero;
+//     (pair-table lookups or FP8 conversion, natural dim order), values as their integer codes
+//     less their center (PackedSlot::kValueCodeCenter; within each group of 4 dims stored as
+//     d0 d2 d1 d3, undone when writing the output), plus each row's norm, value scale and zero
+//     (+ center * scale);
 //   * each warp runs S^T = K~ Q^T and O^T += V^T (P * scale)^T for its 8 columns on tensor cores
 //     with ldmatrix fragments (4 independent score chains), and the online softmax of the decode
 //     kernel once per step.
@@ -219,8 +220,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       for (int q4 = 0; q4 < C::kDimsPerThread / 4; ++q4) {
         const int bit = value_bit0 + 4 * q4 * C::VB;
         const uint32_t x = __byte_perm(window16(vw, bit), window16(vw, bit + 2 * C::VB), 0x5410);
-        vh[2 * q4] = low_codes_to_half2<C::VB>(x);
-        vh[2 * q4 + 1] = high_codes_to_half2<C::VB>(x);
+        vh[2 * q4] = low_codes_to_half2<C::VB, C::kValueCodeCenter>(x);  // centered: PackedSlot
+        vh[2 * q4 + 1] = high_codes_to_half2<C::VB, C::kValueCodeCenter>(x);
       }
       if constexpr (C::kFp8Key) {
         norm = 1.0f;
@@ -228,7 +229,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
         norm = load_half(slot + C::kLayout.key_norm_offset);
       }
       scale = load_half(slot + C::kLayout.value_scale_offset);
-      zero = load_half(slot + C::kLayout.value_zero_offset);
+      zero = fmaf(static_cast<float>(C::kValueCodeCenter), scale, load_half(slot + C::kLayout.value_zero_offset));
     }
     if (part == 0) row_scalars[row] = RowScalars{norm, scale, zero, at < 0 ? 0.0f : 1.0f};
     // One 16-byte (D = 128) or 8-byte (D = 64) store per tile row piece.

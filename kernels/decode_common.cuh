@@ -44,6 +44,11 @@ struct PackedSlot {
   static constexpr SlotLayout kLayout =
       make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, KB, VB);
   static constexpr int kSlotBytes = kLayout.slot_size_aligned;
+  // The PV MMA runs on value codes less this center, with zero + center * scale as the zero term:
+  // raw codes (mean about 2^(VB-1) - 1/2) would make sum_t (p_t s_t) q_t a large coherent sum that
+  // the zero term then cancels, so the tensor cores' truncating fp32 sums lost accuracy in
+  // proportion to the tokens of a split (4.5e-3 at 16,384 tokens in one split, 2e-3 allowed).
+  static constexpr int kValueCodeCenter = 1 << (VB - 1);
 };
 
 // The packed slot as the per-head decode CTA stages it: the shared-memory row that holds the
@@ -188,13 +193,21 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   }
 }
 
+// The online softmax's exponent base m is raised to kSoftmaxHeadroom (log2 domain) above the
+// largest score so far, never to the score itself: a later score up to a factor 2^headroom larger
+// needs no rescale of the O^T fragments (32 FMULs, three shuffle rounds), and the weights stay
+// <= 1 (at most a factor 2 below what a base at the max gives: one bit of the fp16 P*scale
+// operand's range, none of its precision above fp16's subnormals). The results do not depend on
+// the base: out = (acc + z) / l and lse = m + log2(l) (the merges) hold for any base.
+constexpr float kSoftmaxHeadroom = 1.0f;
+
 // kTiles 16-token tiles of the online softmax for this thread's score columns 2c and 2c + 1
 // (scores s[t] in the mma C layout: tokens g, g + 8 of tile t x columns 2c, 2c + 1; log2 domain,
-// masked ones -inf; a column's tokens live in the 8 lanes sharing c). Once the running max m
-// settles, no score of the tiles exceeds it: the max is then unchanged, the rescale factors are
-// exactly 1, and the cross-lane reduction (three dependent shuffle rounds at the head of the
-// chain) is skipped; a warp-uniform vote picks the path, so the results are bit-equal. Rescales
-// acc (the O^T fragments of the same columns) and l, returns the weights p and the factors alpha.
+// masked ones -inf; a column's tokens live in the 8 lanes sharing c). While no score of the tiles
+// exceeds the base m, the rescale factors are exactly 1 and the cross-lane reduction (three
+// dependent shuffle rounds at the head of the chain) is skipped; a warp-uniform vote picks the
+// path. Rescales acc (the O^T fragments of the same columns) and l, returns the weights p and the
+// factors alpha.
 template <int kTiles, int kKSteps>
 __device__ __forceinline__ void online_softmax_tiles(const float (&s)[kTiles][4], float (&m)[2], float (&l)[2],
                                                      float (&acc)[kKSteps][4], float (&p)[kTiles][4],
@@ -213,7 +226,7 @@ __device__ __forceinline__ void online_softmax_tiles(const float (&s)[kTiles][4]
       r0 = fmaxf(r0, __shfl_xor_sync(kFullMask, r0, off));
       r1 = fmaxf(r1, __shfl_xor_sync(kFullMask, r1, off));
     }
-    const float m0 = fmaxf(m[0], r0), m1 = fmaxf(m[1], r1);
+    const float m0 = fmaxf(m[0], r0 + kSoftmaxHeadroom), m1 = fmaxf(m[1], r1 + kSoftmaxHeadroom);
     alpha[0] = exp2_ftz(m[0] - (m0 == -INFINITY ? 0.0f : m0));
     alpha[1] = exp2_ftz(m[1] - (m1 == -INFINITY ? 0.0f : m1));
     m[0] = m0;

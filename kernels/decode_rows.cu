@@ -47,6 +47,11 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kRingBytes = kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kColumns * D * 4;
   static constexpr int kScratchBytes = cdiv(kRingBytes > kQueryBytes ? kRingBytes : kQueryBytes, 128) * 128;
+  // The query columns sit at the scratch region's end, so the stages below them can take their
+  // tiles while the queries are staged: tiles 0 .. kEarlyTiles - 1 are issued first thing.
+  static constexpr int kQueryOffset = kScratchBytes - kQueryBytes;
+  static constexpr int kEarlyTiles =
+      kQueryOffset / kTileBytes < kStages - 1 ? kQueryOffset / kTileBytes : kStages - 1;
   static constexpr int kPairTableWords = TileFragments<Slot>::kPairTableWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
@@ -65,8 +70,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOffset);  // a stage's bytes landed
   uint64_t* const empty = full + C::kStages;                                     // every warp is done with it
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
+  // Lane indices in registers (opaque): derived from the thread index they are recomputed per tile.
+  const int lane = opaque<int>(threadIdx.x & 31), warp = opaque<int>(threadIdx.x >> 5);
+  const int g = opaque(lane >> 2), c = opaque(lane & 3);
   const int head_group = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (decode_rows_supports)
   const int block_size = p.cache.block_size;
@@ -88,27 +94,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
     }
     fence_mbarrier_init();
   }
-  // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
-  // that also publishes the mbarriers.
-  float* qs = reinterpret_cast<float*>(ring);  // [kColumns][D]
-  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
-                                                          p.codebook);
-  // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
-  // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
-  const int slot_misalign = (warp * C::kSlotBytes) & 3;
-  // B fragments from the warp's columns. Rows past its group hold other warps' columns (or zeros);
-  // their scores are masked by limit 0. The last warp reads at most row 7 * group + 7 < kColumns.
-  uint32_t qf[C::kKSteps][2];
-  if (slot_misalign == 0) {
-    query_fragments<D, C::KB, 0>(qs + first_column * D, g, c, q_multiplier, qf);
-  } else {
-    query_fragments<D, C::KB, 2>(qs + first_column * D, g, c, q_multiplier, qf);
-  }
-  // The ring reuses qs, and bulk copies (the async proxy) write it: every thread orders its
-  // generic accesses of qs before them, then the barrier.
-  fence_proxy_async_shared();
-  __syncthreads();
-
+  __syncwarp();  // warp 0's lanes copy on these barriers next; the other warps see them after the query staging's barrier
   // Block ids, 32 tiles per window: lane i holds the id of tile 32 * window + i (-1 past the
   // range). Every warp keeps the current window and the next, so neither the producer (up to
   // kStages - 1 tiles ahead, never more than one window) nor a consumer waits on the block table.
@@ -126,28 +112,57 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // The expected bytes are announced before any copy is issued; a tile whose block id is outside
   // the cache copies nothing and completes its phase on the arrival alone (its rows are masked).
   const int64_t head_group_offset = static_cast<int64_t>(head_group) * C::kRowBytes;
+  // Shared addresses of the ring and the barriers, held in registers across the tile loop.
+  const uint32_t ring_address = opaque(smem_address(ring));
+  const uint32_t full_bar = opaque(smem_address(full)), empty_bar = full_bar + 8 * C::kStages;
   auto produce = [&](int t, int window_ids) {
     const int stage = t % C::kStages;
     const int block = __shfl_sync(kFullMask, window_ids, t & 31);
     if (t >= C::kStages) {
-      if (lane == 0) mbarrier_wait(&empty[stage], ((t / C::kStages) - 1) & 1);
+      if (lane == 0) mbarrier_wait(empty_bar + 8 * stage, ((t / C::kStages) - 1) & 1);
       __syncwarp();
     }
     const bool ok = block_ok(block);
-    if (lane == 0) mbarrier_arrive_expect_bytes(&full[stage], ok ? C::kTileBytes : 0);
+    if (lane == 0) mbarrier_arrive_expect_bytes(full_bar + 8 * stage, ok ? C::kTileBytes : 0);
     __syncwarp();
     if (!ok) return;
     const uint8_t* src = p.cache.data + block * p.cache.stride_block +
                          (tile_start(t) & (block_size - 1)) * p.cache.stride_token + head_group_offset;
-    uint8_t* dst = ring + stage * C::kTileBytes;
+    const uint32_t dst = ring_address + stage * C::kTileBytes;
     if (adjacent_rows) {
-      if (lane == 0) bulk_copy_to_shared(dst, src, C::kTileBytes, &full[stage]);
+      if (lane == 0) bulk_copy_to_shared(dst, src, C::kTileBytes, full_bar + 8 * stage);
     } else if (lane < kTokenTile) {
-      bulk_copy_to_shared(dst + lane * C::kRowBytes, src + lane * p.cache.stride_token, C::kRowBytes, &full[stage]);
+      bulk_copy_to_shared(dst + lane * C::kRowBytes, src + lane * p.cache.stride_token, C::kRowBytes, full_bar + 8 * stage);
     }
   };
+  // The first tiles' copies go out before the query staging, into stages clear of qs: their
+  // memory latency overlaps the query loads, the rotation and the pair table.
   if (warp == 0) {
-    for (int t = 0; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
+    for (int t = 0; t < C::kEarlyTiles && t < num_tiles; ++t) produce(t, ids);
+  }
+
+  // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
+  // that also publishes the mbarriers.
+  float* qs = reinterpret_cast<float*>(ring + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
+  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
+                                                          p.codebook);
+  // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
+  // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
+  const int slot_misalign = (warp * C::kSlotBytes) & 3;
+  // B fragments from the warp's columns. Rows past its group hold other warps' columns (or zeros);
+  // their scores are masked by limit 0. The last warp reads at most row 7 * group + 7 < kColumns.
+  uint32_t qf[C::kKSteps][2];
+  if (slot_misalign == 0) {
+    query_fragments<D, C::KB, 0>(qs + first_column * D, g, c, q_multiplier, qf);
+  } else {
+    query_fragments<D, C::KB, 2>(qs + first_column * D, g, c, q_multiplier, qf);
+  }
+  // The ring's later stages reuse qs, and bulk copies (the async proxy) write them: every thread
+  // orders its generic accesses of qs before them, then the barrier.
+  fence_proxy_async_shared();
+  __syncthreads();
+  if (warp == 0) {
+    for (int t = C::kEarlyTiles; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
   }
 
   const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
@@ -165,15 +180,15 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
       if (warp == 0 && t < num_tiles) produce(t, (t >> 5) == (it >> 5) ? ids : next_ids);
 
       const int stage = it % C::kStages;
-      mbarrier_wait(&full[stage], (it / C::kStages) & 1);
+      mbarrier_wait(full_bar + 8 * stage, (it / C::kStages) & 1);
       const uint8_t* rows = my_slots + stage * C::kTileBytes;
       auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes; };
       const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
       const int pos_lo = tile_start(it) + g;
-      attend_tile<C, kMisalign>(slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
+      attend_tile<C, kMisalign>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
                                 limit0, limit1, table_lane, qf, st);
       __syncwarp();  // every lane's reads of the stage are done
-      if (lane == 0) mbarrier_arrive(&empty[stage]);
+      if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);
     }
   };
   if constexpr (C::kSlotBytes % 4 == 0) {

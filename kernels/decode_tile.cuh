@@ -8,9 +8,9 @@
 //     contiguous runs per thread, or interleaved words where the slot alignment is known); the
 //     query fragments use the same permutation;
 //   * scores times the stored norm, online softmax in the log2 domain;
-//   * O^T += V^T (P*scale)^T on tensor cores with the raw integer value codes as A
-//     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) q_t + sum_t p_t z_t), P transposed in
-//     registers by movmatrix.
+//   * O^T += V^T (P*scale)^T on tensor cores with the integer value codes less their center as A
+//     (sum_t p_t (q_t s_t + z_t) = sum_t (p_t s_t) (q_t - c) + sum_t p_t (z_t + c s_t), c =
+//     kValueCodeCenter), P transposed in registers by movmatrix.
 #pragma once
 
 #include <cmath>
@@ -103,16 +103,17 @@ __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit,
 // past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
 // picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the
 // tile are at positions pos_lo and pos_lo + 8 and count when valid_lo / valid_hi and below the
-// column's limit (limit0, limit1: columns 2c, 2c + 1); table_lane is pair_table_lane_address.
-// Masked tokens get -inf by selection, so garbage in their bytes cannot leak in.
+// column's limit (limit0, limit1: columns 2c, 2c + 1); table_lane is pair_table_lane_address;
+// lane is the caller's lane index, kept in a register (derived from the thread index here, it is
+// recomputed in every tile). Masked tokens get -inf by selection, so garbage in their bytes
+// cannot leak in.
 template <class S, int kSlotMisalign = kUnknownMisalign, class SlotPtr>
-__device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo, bool valid_lo, bool valid_hi,
-                                            int limit0, int limit1, uint32_t table_lane,
+__device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, int pos_lo, bool valid_lo,
+                                            bool valid_hi, int limit0, int limit1, uint32_t table_lane,
                                             const uint32_t (&qf)[S::D / 16][2],
                                             TileAttention<TileFragments<S>::kKSteps>& st) {
   using F = TileFragments<S>;
   constexpr SlotLayout kLayout = S::kLayout;
-  const int lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int pos_hi = pos_lo + 8;
   const uint8_t* slot_lo = slot_ptr(g);
@@ -166,16 +167,17 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
   online_softmax_tile(s, st.m, st.l, st.acc, pr, alpha);
   const float p0 = pr[0], p1 = pr[1], p2 = pr[2], p3 = pr[3];
   const float vs_lo = valid_lo ? load_half(slot_lo + kLayout.value_scale_offset) : 0.0f;
-  const float vz_lo = valid_lo ? load_half(slot_lo + kLayout.value_zero_offset) : 0.0f;
+  constexpr float kCenter = static_cast<float>(S::kValueCodeCenter);
+  const float vz_lo = valid_lo ? fmaf(kCenter, vs_lo, load_half(slot_lo + kLayout.value_zero_offset)) : 0.0f;
   const float vs_hi = valid_hi ? load_half(slot_hi + kLayout.value_scale_offset) : 0.0f;
-  const float vz_hi = valid_hi ? load_half(slot_hi + kLayout.value_zero_offset) : 0.0f;
+  const float vz_hi = valid_hi ? fmaf(kCenter, vs_hi, load_half(slot_hi + kLayout.value_zero_offset)) : 0.0f;
   st.z[0] = st.z[0] * alpha[0] + (p0 * vz_lo + p2 * vz_hi);
   st.z[1] = st.z[1] * alpha[1] + (p1 * vz_lo + p3 * vz_hi);
   // B = (P * value_scale)^T: transpose the C-layout tiles (tokens x columns) in registers.
   const uint32_t pb0 = movmatrix_trans(pack_half2(p0 * vs_lo, p1 * vs_lo));
   const uint32_t pb1 = movmatrix_trans(pack_half2(p2 * vs_hi, p3 * vs_hi));
 
-  // O^T += V^T B with raw codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
+  // O^T += V^T B with centered codes: rows = dims of chunk g, columns = tokens 2c, 2c+1, 2c+8, 2c+9
   uint32_t vw[4][F::kValueWords];
   if constexpr (values_interleaved(S::VB, kSlotMisalign, S::D)) {
     constexpr int kMisalign = value_misalign(kSlotMisalign, kLayout.value_data_offset);
@@ -202,10 +204,10 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
       const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
       const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel);
       const uint32_t x23 = __byte_perm(vw[2][w], vw[3][w], sel);
-      a0 = low_codes_to_half2<4>(x01);
-      a1 = high_codes_to_half2<4>(x01);
-      a2 = low_codes_to_half2<4>(x23);
-      a3 = high_codes_to_half2<4>(x23);
+      a0 = low_codes_to_half2<4, S::kValueCodeCenter>(x01);
+      a1 = high_codes_to_half2<4, S::kValueCodeCenter>(x01);
+      a2 = low_codes_to_half2<4, S::kValueCodeCenter>(x23);
+      a3 = high_codes_to_half2<4, S::kValueCodeCenter>(x23);
     } else {
       // Dims 2i (row g) and 2i + 1 (row g + 8) are the two VB-bit codes at bit 2i VB of each
       // token's chunk: a 16-bit window per token, two tokens per word (one PRMT), then one
@@ -214,10 +216,10 @@ __device__ __forceinline__ void attend_tile(const SlotPtr& slot_ptr, int pos_lo,
       const int bit = 2 * i * S::VB;
       const uint32_t x01 = __byte_perm(window16(vw[0], bit), window16(vw[1], bit), 0x5410);
       const uint32_t x23 = __byte_perm(window16(vw[2], bit), window16(vw[3], bit), 0x5410);
-      a0 = low_codes_to_half2<S::VB>(x01);
-      a1 = high_codes_to_half2<S::VB>(x01);
-      a2 = low_codes_to_half2<S::VB>(x23);
-      a3 = high_codes_to_half2<S::VB>(x23);
+      a0 = low_codes_to_half2<S::VB, S::kValueCodeCenter>(x01);
+      a1 = high_codes_to_half2<S::VB, S::kValueCodeCenter>(x01);
+      a2 = low_codes_to_half2<S::VB, S::kValueCodeCenter>(x23);
+      a3 = high_codes_to_half2<S::VB, S::kValueCodeCenter>(x23);
     }
     mma_16816(st.acc[i], a0, a1, a2, a3, pb0, pb1);
   }

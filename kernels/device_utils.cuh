@@ -143,24 +143,27 @@ __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t b
   return y;
 }
 
-// The B-bit codes at bits [0, B) of both 16-bit halves of x -> half2, exactly: 0x6400 | c is the
-// fp16 1024 + c, so one mask-or and one subtraction.
-template <int B>
+// The B-bit codes at bits [0, B) of both 16-bit halves of x, less kCenter, -> half2, exactly:
+// 0x6400 | c is the fp16 1024 + c, so one mask-or and one subtraction (of 1024 + kCenter, an fp16
+// integer; c - kCenter is one too).
+template <int B, int kCenter = 0>
 __device__ __forceinline__ uint32_t low_codes_to_half2(uint32_t x) {
   constexpr uint32_t m = (1u << B) - 1u;
   const uint32_t biased = and_or(x, m | (m << 16), 0x64006400u);
-  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__half(1024.0f), __half(1024.0f)));
+  const __half b = __float2half(static_cast<float>(1024 + kCenter));
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(b, b));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// The B-bit codes at bits [B, 2B) of both halves -> half2, exactly and without a shift: the bias
-// 2^(10 - B) has a unit in the last place of 2^-B, so bits [B, 2B) of its mantissa count whole units.
-template <int B>
+// The B-bit codes at bits [B, 2B) of both halves, less kCenter, -> half2, exactly and without a
+// shift: the bias 2^(10 - B) has a unit in the last place of 2^-B, so bits [B, 2B) of its mantissa
+// count whole units (and 2^(10 - B) + kCenter is an fp16 integer).
+template <int B, int kCenter = 0>
 __device__ __forceinline__ uint32_t high_codes_to_half2(uint32_t x) {
   constexpr uint32_t m = ((1u << B) - 1u) << B;
   constexpr uint32_t bias = static_cast<uint32_t>(15 + 10 - B) << 10;  // fp16 bits of 2^(10 - B)
   const uint32_t biased = and_or(x, m | (m << 16), bias | (bias << 16));
-  const __half b = __float2half(static_cast<float>(1u << (10 - B)));
+  const __half b = __float2half(static_cast<float>((1u << (10 - B)) + kCenter));
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(b, b));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
@@ -202,6 +205,16 @@ __device__ __forceinline__ uint32_t extract_bits(const uint32_t (&w)[NW], int of
   return __funnelshift_r(w[word], w[word + 1], shift) & mask;
 }
 
+// v behind a move the compiler cannot see through: it keeps v in a register instead of re-deriving
+// it (from the thread index or the shared window base, say) at every use inside a loop.
+template <typename T>
+__device__ __forceinline__ T opaque(T v) {
+  static_assert(sizeof(T) == 4, "32-bit values");
+  T r;
+  asm("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
+
 // ---- 16-byte asynchronous global -> shared copies (cp.async, L2 only), in per-thread groups.
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -238,26 +251,29 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
+// The barrier and copy wrappers take shared-memory addresses (smem_address), so that a kernel can
+// keep them in registers across its loop (a pointer's conversion re-reads the CTA's shared window
+// base each time); the pointer forms convert.
 // Arrives on the barrier and raises the bytes its current phase waits for.
-__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 #endif
 }
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 #endif
 }
 // Waits until the barrier's phase of this parity (0 for its first use, then alternating) completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t done = 0;
   do {
     asm volatile(
         "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
         : "=r"(done)
-        : "r"(smem_address(bar)), "r"(parity)
+        : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
 #else
@@ -265,14 +281,22 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 // `bytes` (a multiple of 16) from global to shared memory, both 16-byte aligned, completing on `bar`.
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+__device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 #else
   __trap();
 #endif
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  mbarrier_arrive_expect_bytes(smem_address(bar), bytes);
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) { mbarrier_arrive(smem_address(bar)); }
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) { mbarrier_wait(smem_address(bar), parity); }
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  bulk_copy_to_shared(smem_address(dst), src, bytes, smem_address(bar));
 }
 
 }  // namespace device

@@ -5,8 +5,10 @@
 // reciprocal with an exact correction instead of an IEEE division per element), Hadamard rotation
 // as an in-register FWHT with shuffles, Lloyd-Max bucketing by grid lookup, norm correction folded
 // into the stored norm (or FP8 e4m3). Value: group min/max, fp16 scale/zero, codes. Each lane
-// packs its own piece of the index streams in registers and writes it with 16-bit stores (slots
-// are only 2-byte aligned). Same bytes as the CPU reference (csrc/slot_codec.cpp): the shortcuts
+// packs its own piece of the index streams in registers. Where a warp's vectors are adjacent heads
+// of one token in the cache, their slots are one run of bytes: assembled in shared memory and
+// written as 8-byte words; elsewhere each lane writes its pieces with 16-bit stores (slots are only
+// 2-byte aligned). Same bytes as the CPU reference (csrc/slot_codec.cpp): the shortcuts
 // are shared rules in include/ with GTests showing they equal the plain ones.
 #include <cuda_runtime.h>
 
@@ -56,6 +58,23 @@ __device__ __forceinline__ void store_halfwords(uint8_t* dst, const uint32_t (&w
   for (int h = 0; h < kBytes / 2; ++h) out[h] = static_cast<uint16_t>(words[h / 2] >> (16 * (h % 2)));
 }
 
+// A lane's pieces of its vector's slot at `slot` (in the cache or in shared memory): its key and
+// value chunks, and for the group's first lane the fp16 fields and the padding byte.
+template <int kKeyChunk, int kValueChunk, bool kFp8Key, int NK, int NV>
+__device__ __forceinline__ void write_slot_pieces(uint8_t* slot, int part, const SlotLayout& L, const uint32_t (&key_words)[NK],
+                                                  const uint32_t (&value_words)[NV], uint16_t key_norm_bits,
+                                                  const ValueQuantParams& q) {
+  store_halfwords<kKeyChunk>(slot + part * kKeyChunk, key_words);
+  store_halfwords<kValueChunk>(slot + L.value_data_offset + part * kValueChunk, value_words);
+  if (part == 0) {
+    uint16_t* halves = reinterpret_cast<uint16_t*>(slot);  // fp16 fields sit at even offsets
+    if constexpr (!kFp8Key) halves[L.key_norm_offset / 2] = key_norm_bits;
+    halves[L.value_scale_offset / 2] = q.scale_bits;
+    halves[L.value_zero_offset / 2] = q.zero_bits;
+    if (L.slot_size_aligned > L.slot_size) slot[L.slot_size] = 0;  // padding byte
+  }
+}
+
 // Where vector `item` (= token * heads + head) goes; a negative slot when there is nothing to write
 // (past the batch, padding, or past the cache).
 struct Destination {
@@ -99,6 +118,12 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
   constexpr int kVectorsPerWarp = 32 / G;
   constexpr int kKeyChunk = E * kKeyBits / 8, kValueChunk = E * kValueBits / 8;  // bytes per lane
   static_assert(G * E == D && kKeyChunk % 2 == 0 && kValueChunk % 2 == 0, "lane pieces are whole halfwords");
+  // The slots of a warp's vectors as one run of bytes (consecutive heads of one token, adjacent in
+  // the cache), assembled in shared memory and written with 8-byte stores where it can be.
+  constexpr SlotLayout kLayout = make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, kKeyBits, kValueBits);
+  constexpr int kRunBytes = kVectorsPerWarp * kLayout.slot_size_aligned;
+  constexpr bool kRunsOfWords = kRunBytes % 8 == 0;
+  __shared__ __align__(16) uint8_t runs[kStoreWarps][kRunsOfWords ? kRunBytes : 8];
 
   __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
   __shared__ __align__(16) GridCell cells[kGridCells];
@@ -118,9 +143,9 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
   const uint32_t cells_biased = device::smem_address(cells) - grid.rounding_bias_bits * static_cast<uint32_t>(sizeof(GridCell));
   const int lane = threadIdx.x & 31;
   const int part = lane & (G - 1);  // which E elements of its vector this lane holds
-  const SlotLayout& L = p.layout;
   const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kStoreWarps * kVectorsPerWarp;
+  const bool heads_per_run = p.cache.num_kv_heads % kVectorsPerWarp == 0 && p.cache.stride_head == kLayout.slot_size_aligned;
 
   // Warp-uniform loop: every lane reaches every shuffle, lanes past the batch compute on zeros.
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kStoreWarps + threadIdx.x / 32) * kVectorsPerWarp;
@@ -212,20 +237,32 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     uint32_t value_words[(E * kValueBits + 31) / 32];
     pack_codes<E, kValueBits>(codes, value_words);
 
-    // ---- write the slot: each lane its pieces, the group's first lane the fp16 fields (every
-    // shuffle of this iteration is done: lanes with nothing to write may leave early)
-    if (dst.slot < 0) continue;
-    uint8_t* slot = p.cache.data + (dst.slot >> block_shift) * p.cache.stride_block +
-                    (dst.slot & (p.cache.block_size - 1)) * p.cache.stride_token + dst.head * p.cache.stride_head;
-    store_halfwords<kKeyChunk>(slot + part * kKeyChunk, key_words);
-    store_halfwords<kValueChunk>(slot + L.value_data_offset + part * kValueChunk, value_words);
-    if (part == 0) {
-      uint16_t* halves = reinterpret_cast<uint16_t*>(slot);  // fp16 fields sit at even offsets
-      if constexpr (!kFp8Key) halves[L.key_norm_offset / 2] = key_norm_bits;
-      halves[L.value_scale_offset / 2] = q.scale_bits;
-      halves[L.value_zero_offset / 2] = q.zero_bits;
-      if (L.slot_size_aligned > L.slot_size) slot[L.slot_size] = 0;  // padding byte
+    // ---- write the slot: each lane its pieces, the group's first lane the fp16 fields.
+    uint8_t* const slot = dst.slot < 0 ? p.cache.data
+                                       : p.cache.data + (dst.slot >> block_shift) * p.cache.stride_block +
+                                             (dst.slot & (p.cache.block_size - 1)) * p.cache.stride_token +
+                                             dst.head * p.cache.stride_head;
+    // The warp's slots as one run: every vector written, all of one token (heads_per_run: the KV
+    // heads are a multiple of the warp's vectors, so a warp never straddles two tokens), heads
+    // adjacent in the cache, the run 8-byte aligned. Written as whole 8-byte words, the run fills
+    // its sectors; 16-bit pieces straight to the cache touched each sector several times (63 % of
+    // the store's global sectors were excess in its profile).
+    uint8_t* const run = slot - (lane / G) * kLayout.slot_size_aligned;
+    const bool whole_run = kRunsOfWords && heads_per_run && dst.slot >= 0 &&
+                           (reinterpret_cast<uintptr_t>(run) & 7) == 0;
+    if (__all_sync(device::kFullMask, whole_run)) {
+      uint8_t* staged = runs[threadIdx.x / 32] + (lane / G) * kLayout.slot_size_aligned;
+      write_slot_pieces<kKeyChunk, kValueChunk, kFp8Key>(staged, part, kLayout, key_words, value_words, key_norm_bits, q);
+      __syncwarp();
+      const uint2* from = reinterpret_cast<const uint2*>(runs[threadIdx.x / 32]);
+      for (int w = lane; w < kRunBytes / 8; w += 32) reinterpret_cast<uint2*>(run)[w] = from[w];
+      __syncwarp();  // the next iteration's pieces overwrite the run
+      continue;
     }
+    // Otherwise straight to the cache (every shuffle of this iteration is done: lanes with
+    // nothing to write may leave early).
+    if (dst.slot < 0) continue;
+    write_slot_pieces<kKeyChunk, kValueChunk, kFp8Key>(slot, part, kLayout, key_words, value_words, key_norm_bits, q);
   }
 }
 

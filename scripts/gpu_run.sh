@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control ab ab_rows
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH="<file> [<file> ...]" (step ab:
@@ -46,6 +46,10 @@ if has diagnose; then
 fi
 if has splits; then  # decode time against the split count at batch 1..16 (the split rule's evidence)
   echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
+fi
+if has subnormal; then  # standalone: does the PV MMA take fp16 subnormal value codes exactly?
+  nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/mma_subnormal_probe.cu -o "$OUT/mma_probe.bin" \
+    > "$OUT/mma_probe_build.log" 2>&1 && timeout 60 "$OUT/mma_probe.bin" | tee "$OUT/mma_probe.txt" || status=1
 fi
 if has sanitize || has race_control; then  # a standalone control: can racecheck see the row kernel's mbarrier ring at all?
   nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/ring_racecheck_probe.cu -o "$OUT/ring_probe.bin" \

@@ -128,6 +128,26 @@ def test_store_matches_cpu_bytes(preset, head_dim, dtype, head_major):
     print(f"{preset} D={head_dim} {dtype}: key-index mismatch fraction {frac:.2e}")
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("head_dim, heads", [(64, 8), (64, 16), (128, 8), (256, 2)])
+def test_store_whole_runs_match_cpu_bytes(preset, head_dim, heads):
+    """The kernel writes a warp's slots as one run of 8-byte words where its vectors are adjacent
+    heads of one token (token-major cache, KV heads a multiple of the warp's vectors): same bytes
+    as the CPU there, at runs broken by padding tokens, and untouched bytes elsewhere."""
+    torch.manual_seed(head_dim + heads)
+    n, block_size, blocks = 200, 16, 16
+    key = torch.randn(n, heads, head_dim).to(torch.bfloat16)
+    value = torch.randn(n, heads, head_dim).to(torch.bfloat16)
+    slots = torch.randperm(blocks * block_size)[:n]
+    slots[::7] = -1
+    poison = torch.randint(0, 256, (blocks, block_size, heads, tq.slot_layout(preset, head_dim).slot_size_aligned),
+                           dtype=torch.uint8)
+    cpu, gpu = poison.clone(), poison.cuda()
+    tq.store_kv(key, value, cpu, slots, preset)
+    tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), preset)
+    assert torch.equal(gpu.cpu(), cpu)
+
+
 def test_store_k8v4_d96_and_float32_input():
     key, value = torch.randn(40, 2, 96) * 100, torch.randn(40, 2, 96)
     cpu = tq.allocate_kv_cache(4, 16, 2, 96, "turboquant_k8v4")
