@@ -98,10 +98,18 @@ __device__ __forceinline__ Destination destination_of(const StoreParams& p, int6
   return {inside ? slot : -1, head};
 }
 
-// The grid cell of coordinate y (|y| <= kGridReach), one 16-byte shared load. Not volatile: the
-// table is written once, before the CTA's barrier.
+// The grid table holds kGridReplicas copies of each 16-byte cell side by side, and lane l reads
+// copy l % kGridReplicas: the 8 lanes of each phase of a 16-byte shared load then use 8 different
+// bank groups whatever cells they look up. (One copy per cell made 9.9-way bank conflicts: the
+// cells around 0 take most lookups, and 16-byte cells fall into only 8 bank groups.)
+constexpr int kGridReplicas = 8;
+constexpr uint32_t kGridRowBytes = kGridReplicas * sizeof(GridCell);
+
+// The grid cell of coordinate y (|y| <= kGridReach), one 16-byte shared load from this lane's
+// copy (cells_biased: grid_cells_base). Not volatile: the table is written once, before the CTA's
+// barrier.
 __device__ __forceinline__ GridCell load_grid_cell(uint32_t cells_biased, float y, const LloydMaxGrid& grid) {
-  const uint32_t address = cells_biased + float_bits(fma_rn(y, grid.scale, grid.biased_offset)) * sizeof(GridCell);
+  const uint32_t address = cells_biased + float_bits(fma_rn(y, grid.scale, grid.biased_offset)) * kGridRowBytes;
   GridCell c;
   asm("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
       : "=f"(c.midpoint), "=r"(c.below), "=f"(c.square_below), "=f"(c.square_above)
@@ -126,10 +134,14 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
   __shared__ __align__(16) uint8_t runs[kStoreWarps][kRunsOfWords ? kRunBytes : 8];
 
   __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
-  __shared__ __align__(16) GridCell cells[kGridCells];
+  __shared__ __align__(16) GridCell cells[kGridCells * kGridReplicas];
   if constexpr (!kFp8Key) {
     if (grid.usable) {
-      for (int t = threadIdx.x; t < kGridCells; t += blockDim.x) cells[t] = grid_cell_entry(p.codebook, grid, t);
+      for (int t = threadIdx.x; t < kGridCells; t += blockDim.x) {
+        const GridCell c = grid_cell_entry(p.codebook, grid, t);
+#pragma unroll
+        for (int r = 0; r < kGridReplicas; ++r) cells[t * kGridReplicas + r] = c;
+      }
     }
     if (threadIdx.x < kMaxCodebookLevels) {
       centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
@@ -137,10 +149,12 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
     }
     __syncthreads();
   }
-  // The table's shared address less the grid's rounding bias, so a cell is read at
-  // cells_biased + 16 * float_bits(fma(y, scale, biased offset)) (uint32 arithmetic wraps). The
-  // bias comes from the kernel's parameters: as a constant, the compiler re-adds it in every lookup.
-  const uint32_t cells_biased = device::smem_address(cells) - grid.rounding_bias_bits * static_cast<uint32_t>(sizeof(GridCell));
+  // This lane's copy of the table, less the grid's rounding bias, so a cell is read at
+  // cells_biased + kGridRowBytes * float_bits(fma(y, scale, biased offset)) (uint32 arithmetic
+  // wraps). The bias comes from the kernel's parameters: as a constant, the compiler re-adds it in
+  // every lookup.
+  const uint32_t cells_biased = device::smem_address(cells) + (threadIdx.x % kGridReplicas) * sizeof(GridCell) -
+                                grid.rounding_bias_bits * kGridRowBytes;
   const int lane = threadIdx.x & 31;
   const int part = lane & (G - 1);  // which E elements of its vector this lane holds
   const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;

@@ -19,10 +19,10 @@
 
 namespace turboquant {
 
-// 512 cells of 16 bytes (8 KB of shared memory) spanning [-kGridReach, kGridReach]: every coordinate
-// of a unit vector lands inside without a clamp, and the cells (about 0.004 wide) are narrower than
-// the closest midpoints of the preset codebooks (0.016 apart at 4 bits, D = 256).
-constexpr int kGridCells = 512;
+// 256 cells spanning [-kGridReach, kGridReach]: every coordinate of a unit vector lands inside
+// without a clamp, and the cells (about 0.008 wide) are narrower than the closest midpoints of the
+// preset codebooks (0.016 apart at 4 bits, D = 256).
+constexpr int kGridCells = 256;
 constexpr float kGridReach = 1.0f + 0x1p-6f;
 // Adding 1.5 * 2^23 leaves round(x) in the low mantissa bits of the sum, for |x| < 2^22.
 constexpr float kRoundingBias = 12582912.0f;

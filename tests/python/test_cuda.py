@@ -132,8 +132,9 @@ def test_store_matches_cpu_bytes(preset, head_dim, dtype, head_major):
 @pytest.mark.parametrize("head_dim, heads", [(64, 8), (64, 16), (128, 8), (256, 2)])
 def test_store_whole_runs_match_cpu_bytes(preset, head_dim, heads):
     """The kernel writes a warp's slots as one run of 8-byte words where its vectors are adjacent
-    heads of one token (token-major cache, KV heads a multiple of the warp's vectors): same bytes
-    as the CPU there, at runs broken by padding tokens, and untouched bytes elsewhere."""
+    heads of one token (token-major cache, KV heads a multiple of the warp's vectors): the CPU's
+    bytes there (within issue #3's rounding allowance), at runs broken by padding tokens, and
+    untouched bytes elsewhere."""
     torch.manual_seed(head_dim + heads)
     n, block_size, blocks = 200, 16, 16
     key = torch.randn(n, heads, head_dim).to(torch.bfloat16)
@@ -145,7 +146,7 @@ def test_store_whole_runs_match_cpu_bytes(preset, head_dim, heads):
     cpu, gpu = poison.clone(), poison.cuda()
     tq.store_kv(key, value, cpu, slots, preset)
     tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), preset)
-    assert torch.equal(gpu.cpu(), cpu)
+    _compare_caches(gpu, cpu, preset, head_dim, key, value, slots)
 
 
 def test_store_k8v4_d96_and_float32_input():
