@@ -1,15 +1,16 @@
 // Fused store: quantizes (token, KV head) vectors and writes their packed slots, one launch for
 // the whole batch. A group of G = vector_lanes(D) lanes holds one vector, E = D / G elements per
 // lane (16 for D = 64, 128, 256; 12 for D = 96), so a warp stores 32 / G vectors at a time and
-// every reduction is log2(G) shuffles. Key: norm (group reduction), normalization (a shared
-// reciprocal with an exact correction instead of an IEEE division per element), Hadamard rotation
-// as an in-register FWHT with shuffles, Lloyd-Max bucketing by grid lookup, norm correction folded
-// into the stored norm (or FP8 e4m3). Value: group min/max, fp16 scale/zero, codes. Each lane
+// every reduction is log2(G) shuffles. Key: norm (group reduction), Hadamard rotation as an
+// in-register FWHT with shuffles, then normalization by one multiply per coordinate, Lloyd-Max
+// bucketing by grid lookup (a bank-replicated table), norm correction folded into the stored norm
+// (or FP8 e4m3). Value: group min/max, fp16 scale/zero, codes by one reciprocal and an FMA. Each lane
 // packs its own piece of the index streams in registers. Where a warp's vectors are adjacent heads
 // of one token in the cache, their slots are one run of bytes: assembled in shared memory and
 // written as 8-byte words; elsewhere each lane writes its pieces with 16-bit stores (slots are only
-// 2-byte aligned). Same bytes as the CPU reference (csrc/slot_codec.cpp): the shortcuts
-// are shared rules in include/ with GTests showing they equal the plain ones.
+// 2-byte aligned). The CPU reference's bytes (csrc/slot_codec.cpp) up to issue #3's allowance: an
+// index or code may differ where its coordinate lies within float rounding of the threshold, and
+// the corrected fp16 norm by one ulp (tests/python/test_cuda.py checks exactly that).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -106,14 +107,15 @@ constexpr int kGridReplicas = 8;
 constexpr uint32_t kGridRowBytes = kGridReplicas * sizeof(GridCell);
 
 // The grid cell of coordinate y (|y| <= kGridReach), one 16-byte shared load from this lane's
-// copy (cells_biased: grid_cells_base). Not volatile: the table is written once, before the CTA's
-// barrier.
+// copy (cells_biased: see the kernel). The "memory" clobber orders it after the barrier that ends
+// the table's construction, whatever the compiler learns about y's inputs.
 __device__ __forceinline__ GridCell load_grid_cell(uint32_t cells_biased, float y, const LloydMaxGrid& grid) {
   const uint32_t address = cells_biased + float_bits(fma_rn(y, grid.scale, grid.biased_offset)) * kGridRowBytes;
   GridCell c;
   asm("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
       : "=f"(c.midpoint), "=r"(c.below), "=f"(c.square_below), "=f"(c.square_above)
-      : "r"(address));
+      : "r"(address)
+      : "memory");
   return c;
 }
 
@@ -190,9 +192,10 @@ __global__ void __launch_bounds__(kStoreWarps * 32)
       // one multiply per coordinate instead of a division and a multiply. The coordinates differ
       // from the CPU's (which divides first) only by float rounding, so an index can differ only
       // where a coordinate lies within rounding of a midpoint (issue #3 allows < 1e-4 of them;
-      // tests/python/test_cuda.py checks both). A key whose rotated elements could overflow
-      // (|H k|_j <= sqrt(D) * norm), a non-finite key, or a codebook the grid cannot hold takes
-      // the CPU's own order: division, rotation, binary search.
+      // tests/python/test_cuda.py checks both). A non-finite key, or a codebook the grid cannot
+      // hold, takes the CPU's own order: division, rotation, binary search. (A finite norm is
+      // below 2^64, where the sum of squares overflows, so |H k|_j <= sqrt(D) * norm cannot
+      // overflow; the bound below also keeps __fdividef in range.)
       const bool folded = norm <= 0x1p120f && grid.usable;  // false for NaN and inf
       if (!folded) {
 #pragma unroll
