@@ -74,9 +74,7 @@ struct TileAttention {
 // word pair * 32 + l), hidden from the compiler behind a move: otherwise it re-derives the lane
 // from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0).
 __device__ __forceinline__ uint32_t pair_table_lane_address(const uint32_t* pair_table, int lane) {
-  uint32_t a;
-  asm("mov.b32 %0, %1;" : "=r"(a) : "r"(smem_address(pair_table) + 4u * static_cast<uint32_t>(lane)));
-  return a;
+  return opaque(smem_address(pair_table) + 4u * static_cast<uint32_t>(lane));
 }
 
 // A shared-memory word by address. Not volatile and without a memory clobber: only for data that

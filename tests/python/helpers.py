@@ -79,3 +79,13 @@ def store_fp16_extremes(preset: str, head_dim: int = 128):
     cache = tq.allocate_kv_cache(1, 16, 1, head_dim, preset)
     tq.store_kv(value.half(), value.half(), cache, torch.zeros(1, dtype=torch.int32), preset)
     return cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+
+def poisoned_cuda_decode(q, cache, bt, sl, preset: str, scale: float, splits: int) -> torch.Tensor:
+    """The CUDA decode with NaN left in the caching allocator's next block of the output's size
+    (the inputs are on the GPU first, so the output is the next allocation of that size), so an
+    element the kernel forgets to write cannot pass. Returns the output on the CPU."""
+    args = [t.cuda() for t in (q, cache, bt, sl)]
+    junk = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    del junk
+    return tq.decode(*args, preset, scale, splits).cpu()

@@ -8,7 +8,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, store_fp16_extremes
+from helpers import make_paged_batch, poisoned_cuda_decode, store_fp16_extremes
 from reference import hadamard_matrix, rel_err
 
 pytestmark = requires_cuda
@@ -169,13 +169,6 @@ def test_store_k8v4_d96_and_float32_input():
     _compare_caches(gpu, cpu, "turboquant_k8v4", 96, key, value, slots)
 
 
-def _poison_allocator(shape, dtype):
-    """Leaves NaN in the caching allocator's next block of this size, so an output element the
-    kernel forgets to write cannot pass."""
-    junk = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    del junk
-
-
 SEQ_LENS = [0, 1, 17, 300, 1000, 64]
 
 
@@ -188,9 +181,7 @@ def test_decode_matches_cpu(preset, head_dim, group, num_splits):
     cache, bt, sl, _, _ = make_paged_batch(SEQ_LENS, 16, heads, head_dim, preset, seed=group + head_dim)
     q = torch.randn(len(SEQ_LENS), heads * group, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, num_splits)
-    args = [t.cuda() for t in (q, cache, bt, sl)]  # before the poison: the output is its next taker
-    _poison_allocator(q.shape, q.dtype)
-    out = tq.decode(*args, preset, head_dim ** -0.5, num_splits).cpu()
+    out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
     assert not out.isnan().any()
     assert (out[0] == 0).all()
     assert rel_err(out, ref) <= 2e-3
@@ -207,9 +198,7 @@ def test_decode_merges_many_splits(head_dim, num_splits):
     cache, bt, sl, _, _ = make_paged_batch([4000, 1, 40], 16, 2, head_dim, preset, seed=num_splits)
     q = torch.randn(3, 8, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
-    args = [t.cuda() for t in (q, cache, bt, sl)]
-    _poison_allocator(q.shape, q.dtype)
-    out = tq.decode(*args, preset, head_dim ** -0.5, num_splits).cpu()
+    out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
     assert not out.isnan().any()
     assert rel_err(out, ref) <= 2e-3
 

@@ -14,23 +14,13 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch
+from helpers import make_paged_batch, poisoned_cuda_decode
 from reference import rel_err
 
 pytestmark = requires_cuda
 
 PRESETS = list(tq.PRESETS)
 SEQ_LENS = [0, 1, 17, 300, 1000, 64]
-
-
-def _poisoned_decode(q, cache, bt, sl, preset, scale, splits):
-    """The CUDA decode with NaN left in the allocator's next block of the output's size (the
-    inputs are on the GPU first, so the output is the next allocation of that size), so an element
-    the kernel forgets to write cannot pass."""
-    args = [t.cuda() for t in (q, cache, bt, sl)]
-    junk = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-    del junk
-    return tq.decode(*args, preset, scale, splits).cpu()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -42,7 +32,7 @@ def test_rows_decode_matches_cpu(preset, head_dim, group, num_splits):
     cache, bt, sl, _, _ = make_paged_batch(SEQ_LENS, 16, heads, head_dim, preset, seed=group + head_dim)
     q = torch.randn(len(SEQ_LENS), heads * group, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, num_splits)
-    out = _poisoned_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
+    out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
     assert not out.isnan().any()
     assert (out[0] == 0).all()  # seq_len 0
     assert rel_err(out, ref) <= 2e-3
@@ -57,7 +47,7 @@ def test_rows_decode_long_context_in_one_split(preset):
     q = torch.randn(2, 32, 128).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 128 ** -0.5, 4)
     for splits in (1, 0):
-        out = _poisoned_decode(q, cache, bt, sl, preset, 128 ** -0.5, splits)
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 128 ** -0.5, splits)
         assert rel_err(out, ref) <= 2e-3, splits
 
 
@@ -70,7 +60,7 @@ def test_rows_decode_several_head_groups(preset, kv_heads, head_dim):
     q = torch.randn(3, kv_heads * 4, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 3)
     for splits in (1, 3, 0):
-        out = _poisoned_decode(q, cache, bt, sl, preset, 0.1, splits)
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
         assert rel_err(out, ref) <= 2e-3, splits
 
 
@@ -83,7 +73,7 @@ def test_rows_decode_dtypes_block_sizes(dtype, block_size):
     q = torch.randn(4, 32, 128).to(dtype)
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.09, 3)
     for splits in (1, 3, 0):
-        out = _poisoned_decode(q, cache, bt, sl, preset, 0.09, splits)
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.09, splits)
         assert out.dtype == dtype
         assert rel_err(out.float(), ref) <= 2e-3, splits
 
@@ -100,7 +90,7 @@ def test_rows_decode_masks_block_ids_outside_the_cache(preset):
     q = torch.randn(2, 32, 128).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 2)
     for splits in (1, 2):
-        out = _poisoned_decode(q, cache, bt, sl, preset, 0.1, splits)
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
         assert not out.isnan().any()
         assert rel_err(out, ref) <= 2e-3, splits
 
@@ -112,7 +102,7 @@ def test_rows_decode_seq_lens_past_the_block_table():
     q = torch.randn(2, 16, 128).half()
     long = torch.tensor([64 + 500, 30], dtype=torch.int32)
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
-    out = _poisoned_decode(q, cache, bt, long, preset, 0.1, 1)
+    out = poisoned_cuda_decode(q, cache, bt, long, preset, 0.1, 1)
     assert rel_err(out, ref) <= 2e-3
 
 
