@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal ab ab_rows
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); AB_PATCH="<file> [<file> ...]" (step ab:
@@ -97,6 +97,10 @@ if has bench; then
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
+fi
+if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
+  echo "== decode breakdown"; PYTHONPATH=python timeout 240 "$PYTHON" benchmarks/decode_breakdown.py \
+    --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" | grep -E "^\|" || status=1
 fi
 if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
   for kernel in decode chunked; do

@@ -1,0 +1,82 @@
+"""Where a split decode's time goes: the decode kernel, the split merge after it, and the whole
+step, for bench_decode's A/B shapes at the library's split count and at fixed ones.
+
+    python benchmarks/decode_breakdown.py [--preset turboquant_4bit_nc] [--shapes ab] [--out results.md]
+
+Per shape and split count (0 = the library's choice, which the table cannot name): graph-replay µs of one step (as bench_decode times it), then from a
+torch.profiler trace of eager steps the decode kernel's own duration and the merge's tail (merge
+end - decode end: the merge kernel starts early under programmatic dependent launch, so its own
+duration includes waiting). Shapes with the same bytes (e.g. (32,32,8,8192) and
+(16,64,8,16384), 281 MB each at 4bit_nc) that differ in step time show here whether the
+difference is in the main loop or in the partials and their merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turboquant as tq  # noqa: E402
+from bench_decode import HEAD_DIM, SHAPES, build_cache  # noqa: E402
+from timing import append_markdown, graph_replay_us  # noqa: E402
+
+
+def kernel_spans(step, steps: int):
+    """(decode µs, merge tail µs) medians over `steps` eager steps, from the profiler's kernel
+    events in launch order: a decode kernel, then the merge kernel when the step has one."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and ("decode" in e.name or "merge" in e.name)), key=lambda e: e.time_range.start)
+    decode, tail = [], []
+    for i, e in enumerate(kernels):
+        if "merge" in e.name:
+            continue
+        decode.append(e.time_range.end - e.time_range.start)
+        nxt = kernels[i + 1] if i + 1 < len(kernels) else None
+        tail.append(nxt.time_range.end - e.time_range.end if nxt is not None and "merge" in nxt.name else 0.0)
+    return statistics.median(decode), statistics.median(tail)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="turboquant_4bit_nc", choices=list(tq.PRESETS))
+    p.add_argument("--shapes", default="ab", choices=list(SHAPES))
+    p.add_argument("--splits", type=int, nargs="+", default=[0, 8, 16, 32], help="split counts (0: the library's)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", help="markdown file to append the table to")
+    a = p.parse_args()
+    lines = [f"Decode breakdown, {a.preset} ({torch.cuda.get_device_name()}): graph-replay step, decode kernel and "
+             "merge tail (profiler, eager steps), µs", "",
+             "| B | Hq | Hkv | L | splits | step (graph) | decode kernel | merge tail |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for b, hq, hkv, length in SHAPES[a.shapes]:
+        cache, block_table = build_cache(a.preset, b, hkv, length)
+        q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        for splits in a.splits:
+            def step(splits=splits):
+                return tq.decode(q, cache, block_table, seq_lens, a.preset, HEAD_DIM ** -0.5, splits)
+            graph = graph_replay_us(step)
+            decode, tail = kernel_spans(step, a.steps)
+            line = f"| {b} | {hq} | {hkv} | {length} | {splits or 'default'} | {graph:.1f} | {decode:.1f} | {tail:.1f} |"
+            lines.append(line)
+            print(line, flush=True)
+    if a.out:
+        append_markdown(a.out, lines)
+
+
+if __name__ == "__main__":
+    main()
