@@ -171,7 +171,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // The tile loop for slots at kMisalign mod 4 (one instantiation per offset a warp can have).
   auto tile_loop = [&](auto misalign) {
     constexpr int kMisalign = decltype(misalign)::value;
-#pragma unroll 2
     for (int it = 0; it < num_tiles; ++it) {
       if ((it & 31) == 0 && it > 0) {  // CTA-uniform: the next window of block ids
         ids = next_ids;
