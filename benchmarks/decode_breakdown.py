@@ -8,7 +8,8 @@ torch.profiler trace of eager steps the decode kernel's own duration and the mer
 end - decode end: the merge kernel starts early under programmatic dependent launch, so its own
 duration includes waiting). Shapes with the same bytes (e.g. (32,32,8,8192) and
 (16,64,8,16384), 281 MB each at 4bit_nc) that differ in step time show here whether the
-difference is in the main loop or in the partials and their merge.
+difference is in the main loop or in the partials and their merge. --placement adds the same
+step on caches built before and after bench_decode's SDPA baseline (see placement()).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from bench_decode import HEAD_DIM, SHAPES, build_cache  # noqa: E402
+from bench_decode import HEAD_DIM, SHAPES, build_cache, sdpa_best_us  # noqa: E402
 from timing import append_markdown, graph_replay_us  # noqa: E402
 
 
@@ -50,12 +51,43 @@ def kernel_spans(step, steps: int):
     return statistics.median(decode), statistics.median(tail)
 
 
+def placement(a):
+    """The same decode step timed three ways, per shape: (fresh) on a cache built right away; (after
+    SDPA) that cache again after bench_decode's SDPA baseline has run on the same shape; (in SDPA's
+    memory) a second cache built after the baseline, so it lands in memory the caching allocator
+    kept from the baseline's dense K/V, as bench_decode's cache does. Tells heat or clocks (the
+    second differs) from where the cache lies (only the third differs)."""
+    lines = ["", f"Decode placement, {a.preset}, graph replay µs (default splits)", "",
+             "| B | Hq | Hkv | L | fresh | after SDPA | in SDPA's memory | fresh again |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for b, hq, hkv, length in SHAPES["quick"]:
+        torch.cuda.empty_cache()
+        q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+
+        def step_us(cache, block_table):
+            return graph_replay_us(lambda: tq.decode(q, cache, block_table, seq_lens, a.preset, HEAD_DIM ** -0.5))
+        first = build_cache(a.preset, b, hkv, length)
+        fresh = step_us(*first)
+        sdpa_best_us(b, hq, hkv, length, graphed=True)
+        after = step_us(*first)
+        second = build_cache(a.preset, b, hkv, length)
+        inside = step_us(*second)
+        again = step_us(*first)
+        line = f"| {b} | {hq} | {hkv} | {length} | {fresh:.1f} | {after:.1f} | {inside:.1f} | {again:.1f} |"
+        lines.append(line)
+        print(line, flush=True)
+        del first, second
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="turboquant_4bit_nc", choices=list(tq.PRESETS))
     p.add_argument("--shapes", default="ab", choices=list(SHAPES))
     p.add_argument("--splits", type=int, nargs="+", default=[0, 8, 16, 32], help="split counts (0: the library's)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--placement", action="store_true", help="also the placement table (see placement())")
     p.add_argument("--out", help="markdown file to append the table to")
     a = p.parse_args()
     lines = [f"Decode breakdown, {a.preset} ({torch.cuda.get_device_name()}): graph-replay step, decode kernel and "
@@ -74,6 +106,8 @@ def main():
             line = f"| {b} | {hq} | {hkv} | {length} | {splits or 'default'} | {graph:.1f} | {decode:.1f} | {tail:.1f} |"
             lines.append(line)
             print(line, flush=True)
+    if a.placement:
+        lines += placement(a)
     if a.out:
         append_markdown(a.out, lines)
 

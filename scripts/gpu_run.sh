@@ -99,7 +99,7 @@ if has bench; then
   echo; cat "$OUT/results.md"
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
-  echo "== decode breakdown"; PYTHONPATH=python timeout 240 "$PYTHON" benchmarks/decode_breakdown.py \
+  echo "== decode breakdown"; PYTHONPATH=python timeout 240 "$PYTHON" benchmarks/decode_breakdown.py --placement \
     --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" | grep -E "^\|" || status=1
 fi
 if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
