@@ -50,13 +50,33 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   __shared__ float scratch[kMergeWarps];
   const int64_t row = blockIdx.x;  // query row * num_q_heads + head
   const int t = threadIdx.x;
+  // Thread t sums the float4 column t % columns over splits t / columns, t / columns + groups, ...
+  // (head_dim is a multiple of 4), kBatch loads in flight before the first is used.
+  const int columns = head_dim / 4, groups = kMergeThreads / columns;
+  const int column = t % columns, group = t / columns;
+  const bool summing = group < groups;
+  const float4* part = reinterpret_cast<const float4*>(partial_out + row * num_splits * head_dim) + column;
+  constexpr int kBatch = 8;
+  float4 x[kBatch];
+  auto load_batch = [&](int s0) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      // Past the last split: load the last one again (unconditional loads issue together); its
+      // weight is 0.
+      x[k] = part[static_cast<int64_t>(min(s0 + k * groups, num_splits - 1)) * columns];
+    }
+  };
   device::wait_for_primary_grid();
 
-  // Weights of the splits: 0 for a split that saw no token (lse = -inf) or for every split of a
-  // row no CTA served.
+  // The first batch of partial vectors is loaded with the log-sum-exps, before the weights are
+  // known: one memory round trip instead of two (the merge's time is latency).
   const float* lse = partial_lse + row * num_splits;
   const float lse0 = t < num_splits ? lse[t] : -INFINITY;
   const float lse1 = t + kMergeThreads < num_splits ? lse[t + kMergeThreads] : -INFINITY;
+  if (summing) load_batch(group);
+
+  // Weights of the splits: 0 for a split that saw no token (lse = -inf) or for every split of a
+  // row no CTA served.
   const float mx = block_reduce<true>(fmaxf(lse0, lse1), scratch);
   const float w0 = mx == -INFINITY ? 0.0f : exp2f(lse0 - mx);
   const float w1 = mx == -INFINITY ? 0.0f : exp2f(lse1 - mx);
@@ -64,32 +84,23 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   weight[t + kMergeThreads] = w1;
   const float total = block_reduce<false>(w0 + w1, scratch);  // its barriers publish weight[]
 
-  // Thread t sums the float4 column t % columns over splits t / columns, t / columns + groups, ...
-  // (head_dim is a multiple of 4). A zero weight selects 0 rather than multiplying: the partial
-  // vector of a row no CTA served is never written.
-  const int columns = head_dim / 4, groups = kMergeThreads / columns;
-  const int column = t % columns, group = t / columns;
+  // A zero weight selects 0 rather than multiplying: the partial vector of a row no CTA served is
+  // never written.
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (group < groups) {
-    const float4* part = reinterpret_cast<const float4*>(partial_out + row * num_splits * head_dim) + column;
-    constexpr int kBatch = 8;  // loads in flight per thread before the first is used
-    for (int s0 = group; s0 < num_splits; s0 += kBatch * groups) {
-      float4 x[kBatch];
-      float w[kBatch];
+  if (summing) {
+    for (int s0 = group;;) {
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
-        // Past the last split: load the last one again (unconditional loads issue together) with weight 0.
         const int s = s0 + k * groups;
-        x[k] = part[static_cast<int64_t>(min(s, num_splits - 1)) * columns];
-        w[k] = s < num_splits ? weight[s] : 0.0f;
+        const float w = s < num_splits ? weight[s] : 0.0f;
+        acc.x += w != 0.0f ? w * x[k].x : 0.0f;
+        acc.y += w != 0.0f ? w * x[k].y : 0.0f;
+        acc.z += w != 0.0f ? w * x[k].z : 0.0f;
+        acc.w += w != 0.0f ? w * x[k].w : 0.0f;
       }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        acc.x += w[k] != 0.0f ? w[k] * x[k].x : 0.0f;
-        acc.y += w[k] != 0.0f ? w[k] * x[k].y : 0.0f;
-        acc.z += w[k] != 0.0f ? w[k] * x[k].z : 0.0f;
-        acc.w += w[k] != 0.0f ? w[k] * x[k].w : 0.0f;
-      }
+      s0 += kBatch * groups;
+      if (s0 >= num_splits) break;
+      load_batch(s0);
     }
   }
   group_sums[t] = acc;

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
-# picks the profiled decode shape (default 32 32 8 8192); AB_PATCH="<file> [<file> ...]" (step ab:
+# picks the profiled decode shape (default 32 32 8 8192); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
 # each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
@@ -58,7 +58,7 @@ fi
 if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
   sanitize() {  # sanitize <log name> <tool> <-k expression> <test files...>
     local name=$1 tool=$2 k=$3; shift 3
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=python timeout 420 compute-sanitizer --tool "$tool" \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=python timeout "${SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool "$tool" \
       --error-exitcode 9 --print-limit 30 "$PYTHON" -m pytest "$@" -q -p no:cacheprovider \
       -k "$k" > "$OUT/sanitize_$name.log" 2>&1
     echo "$name exit=$?" >> "$OUT/sanitize_$name.log"
