@@ -202,14 +202,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
 
   // ---- this warp's columns are complete for the split: (acc + z) / l, or the partial and its
-  // log-sum-exp (log2 domain) for the merge.
+  // log-sum-exp (log2 domain) for the merge. The results leave through shared memory as whole
+  // rows: straight from the MMA layout a lane's two dims sit 32 bytes from the next lane's, so the
+  // L2 took each 32-byte sector of the partials four times (ncu, (16,64,8,16384) 4bit_nc: 969 k
+  // sectors written for 8.4 MB of partials, all at the end of the one wave of CTAs). After the
+  // barrier every warp is past its last tile and no bulk copy is in flight: the ring is free.
   sum_over_column_lanes(st.l);
   sum_over_column_lanes(st.z);
+  __syncthreads();
+  static_assert(kDecodeWarps * kDecodeColumns * D * 4 <= C::kScratchBytes, "a warp's columns fit the scratch region");
+  float* const staged = reinterpret_cast<float*>(ring) + warp * kDecodeColumns * D;  // [column][D]
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int col = 2 * c + k;  // MMA column: this warp's group head
     if (col >= group) continue;
-    const int64_t row = columns.row(first_column + col);
     const bool any = st.m[k] != -INFINITY;
     const float inv = any ? 1.0f / st.l[k] : 0.0f;
 #pragma unroll
@@ -217,17 +223,25 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
       const int d = 2 * value_pair(g, i, D, C::VB, value_misalign(slot_misalign, C::kLayout.value_data_offset));
       const float o0 = any ? (st.acc[i][k] + st.z[k]) * inv : 0.0f;
       const float o1 = any ? (st.acc[i][2 + k] + st.z[k]) * inv : 0.0f;
-      if (p.num_splits == 1) {
-        T* out = static_cast<T*>(p.out) + row * D + d;
-        out[0] = from_float<T>(o0);
-        out[1] = from_float<T>(o1);
-      } else {
-        float* out = p.partial_out + (row * p.num_splits + split) * D + d;
-        *reinterpret_cast<float2*>(out) = make_float2(o0, o1);
-      }
+      *reinterpret_cast<float2*>(staged + col * D + d) = make_float2(o0, o1);
     }
     if (p.num_splits > 1 && g == 0) {
+      const int64_t row = columns.row(first_column + col);
       p.partial_lse[row * p.num_splits + split] = any ? st.m[k] + log2f(st.l[k]) : -INFINITY;
+    }
+  }
+  __syncwarp();
+  // Lane l writes dims 4l .. 4l + 3 of each column (D = 64: lanes 0-15).
+  if (4 * lane < D) {
+    for (int col = 0; col < group; ++col) {
+      const int64_t row = columns.row(first_column + col);
+      const float4 o = reinterpret_cast<const float4*>(staged + col * D)[lane];
+      if (p.num_splits == 1) {
+        alignas(8) T four[4] = {from_float<T>(o.x), from_float<T>(o.y), from_float<T>(o.z), from_float<T>(o.w)};
+        *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + 4 * lane) = *reinterpret_cast<const uint2*>(four);
+      } else {
+        *reinterpret_cast<float4*>(p.partial_out + (row * p.num_splits + split) * D + 4 * lane) = o;
+      }
     }
   }
 }
