@@ -212,6 +212,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   __syncthreads();
   static_assert(kDecodeWarps * kDecodeColumns * D * 4 <= C::kScratchBytes, "a warp's columns fit the scratch region");
   float* const staged = reinterpret_cast<float*>(ring) + warp * kDecodeColumns * D;  // [column][D]
+  // The 16-byte chunks of column col sit XOR-swizzled by swizzle(col): rows are a multiple of 32
+  // words apart, and a store instruction's lanes (4 columns, 8 dims pairs) would otherwise meet in
+  // 2 or 4 of the 8 bank groups (8-16 wavefronts for 2 ideal); swizzled, 4-8. The row reads
+  // below stay one permuted chunk per lane, conflict-free.
+  auto swizzle = [](int col) { return ((col >> 1) & 1) | (((col >> 2) & 1) << 2); };
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int col = 2 * c + k;  // MMA column: this warp's group head
@@ -223,7 +228,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
       const int d = 2 * value_pair(g, i, D, C::VB, value_misalign(slot_misalign, C::kLayout.value_data_offset));
       const float o0 = any ? (st.acc[i][k] + st.z[k]) * inv : 0.0f;
       const float o1 = any ? (st.acc[i][2 + k] + st.z[k]) * inv : 0.0f;
-      *reinterpret_cast<float2*>(staged + col * D + d) = make_float2(o0, o1);
+      *reinterpret_cast<float2*>(staged + col * D + (((d >> 2) ^ swizzle(col)) << 2) + (d & 3)) = make_float2(o0, o1);
     }
     if (p.num_splits > 1 && g == 0) {
       const int64_t row = columns.row(first_column + col);
@@ -235,7 +240,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   if (4 * lane < D) {
     for (int col = 0; col < group; ++col) {
       const int64_t row = columns.row(first_column + col);
-      const float4 o = reinterpret_cast<const float4*>(staged + col * D)[lane];
+      const float4 o = reinterpret_cast<const float4*>(staged + col * D)[lane ^ swizzle(col)];
       if (p.num_splits == 1) {
         alignas(8) T four[4] = {from_float<T>(o.x), from_float<T>(o.y), from_float<T>(o.z), from_float<T>(o.w)};
         *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + 4 * lane) = *reinterpret_cast<const uint2*>(four);
