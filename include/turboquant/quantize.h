@@ -125,30 +125,11 @@ TQ_HD float fma_rn(float a, float b, float c) {
 #endif
 }
 
-// ---- x / d for many x and one d: one reciprocal per divisor, then one multiply and two FMAs per
-// quotient (Markstein's correction: with r = RN(1/d) and q = RN(x * r) within an ulp of x / d, the
-// residual x - d * q is exact and q + r * residual rounds to x / d). An IEEE division costs a
-// dozen instructions and a slow-path branch on the GPU, and the store divides every key and value
-// element. The correction needs a residual that does not underflow:
-//   * reciprocal_division_exact(d): d and 1/d normal (checked once per divisor);
-//   * quotients_exact(r, smallest |x|): every dividend and quotient far from the subnormal range
-//     (a zero dividend fails too: -0 / d would come back +0). Under both, divide_by_reciprocal(x)
-//     equals x / d bit for bit (GTest); NaN propagates, an overflowing quotient comes back inf.
-// Without the second check, tiny dividends (|x| < ~2^-110) can be one ulp off — for keys that can
-// move a coordinate across the midpoint 0, so the store checks it per lane and falls back to x / d.
-// Value codes need only the first: an inexact quotient is tiny and codes to 0 either way.
+// Whether d and 1/d are normal floats: the CUDA store codes values with one reciprocal of the
+// scale per vector (kernels/store_kv.cu) only then, else with the IEEE division per element.
 TQ_HD bool reciprocal_division_exact(float d) {
   const float a = fabsf(d);
   return a >= 0x1p-125f && a <= 0x1p125f;  // NaN fails both
-}
-TQ_HD bool quotients_exact(float reciprocal, float smallest_abs_dividend) {
-  constexpr float kFloor = 0x1p-100f;  // residuals stay above 2^-124: normal
-  return smallest_abs_dividend >= kFloor && smallest_abs_dividend * fabsf(reciprocal) >= kFloor;
-}
-TQ_HD float divide_by_reciprocal(float x, float d, float reciprocal) {
-  const float q = mul_rn(x, reciprocal);
-  const float residual = fma_rn(-d, q, x);
-  return fma_rn(residual, reciprocal, q);
 }
 
 // Lanes of a warp that hold one head vector in the CUDA store: the smallest power of two giving
