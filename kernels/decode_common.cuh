@@ -25,15 +25,6 @@ float decode_query_multiplier(float scale) {
   return scale * kLog2e * (C::kFp8Key ? 1.0f : 1.0f / sqrtf(static_cast<float>(C::D)));
 }
 
-// CTAs of `threads` threads and `smem_bytes` of dynamic shared memory that fit on one SM (1 if
-// the runtime cannot say).
-template <class Kernel>
-int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes) != cudaSuccess) return 1;
-  return blocks > 0 ? blocks : 1;
-}
-
 // The packed slot of a preset at compile time: head dim, bit widths, layout.
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct PackedSlot {

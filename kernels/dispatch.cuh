@@ -11,6 +11,16 @@
 
 namespace turboquant {
 
+// CTAs of `threads` threads and `smem_bytes` of dynamic shared memory that fit on one SM (1 if
+// the runtime cannot say).
+template <class Kernel>
+int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes) != cudaSuccess) return 1;
+  return blocks > 0 ? blocks : 1;
+}
+
+
 // Calls launch.run<T, D, kFp8Key>(); unsupported combinations give cudaErrorInvalidValue (the
 // glue checks cuda_supports_head_dim first and raises a clear error).
 template <typename T, class Launch>
