@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "turboquant/numeric.h"
 #include "turboquant/quantize.h"
 
 namespace turboquant {
@@ -134,6 +135,27 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
   const unsigned short in = static_cast<unsigned short>(two_bytes);
   asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(in));
   return out;
+}
+
+// Four floats -> four e4m3 bytes (the first lowest), rounded to nearest even and saturating at
+// +-448 as float_to_fp8_e4m3 does (numeric.h), with two hardware conversions (sm_89+; elsewhere
+// that function per element). A NaN becomes a NaN byte (low seven bits all ones) whose sign is the
+// hardware's choice: callers that need the CPU's bytes for NaN check for those.
+__device__ __forceinline__ uint32_t floats_to_fp8x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short lo, hi;  // cvt packs its first source into the upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+#else
+  return float_to_fp8_e4m3(a) | (float_to_fp8_e4m3(b) << 8) | (float_to_fp8_e4m3(c) << 16) |
+         (static_cast<uint32_t>(float_to_fp8_e4m3(d)) << 24);
+#endif
+}
+
+// Whether any byte of w has its low seven bits all ones (an e4m3 NaN).
+__device__ __forceinline__ bool has_fp8_nan(uint32_t w) {
+  return (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0;
 }
 
 // (x & mask) | bias in one LOP3 (the compiler splits it in two when both are immediates).

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "dispatch.cuh"
@@ -26,76 +27,118 @@ namespace turboquant {
 namespace {
 
 constexpr int kStoreWarps = 8;
-// CTAs per SM the kernel is built for: 64 registers per thread, half the SM's warps.
+// CTAs per SM the kernel is built for: 64 registers per thread, half the SM's warps (48 for
+// five CTAs made even FP8 keys spill ~100 bytes).
 constexpr int kStoreCtasPerSm = 4;
 
-// Each warp's next input vectors, copied one loop iteration ahead into shared memory with 16-byte
-// cp.async: the copies' DRAM latency overlaps the current vectors' math instead of stalling it
-// (the merged store's profile: 16-21 % of stall samples waited on the K/V loads), and every copy
-// instruction covers 512 contiguous bytes (lane l takes chunk l of 32), where the lanes' own
-// 16-byte loads at a 32-byte stride made 45 % of the global sectors excess. A warp's vectors
-// [first, first + 32 / G) are one contiguous run of keys, and one of values.
+// Each warp's next input vectors, copied one loop iteration ahead into its shared-memory buffer
+// with 16-byte cp.async: the copies' DRAM latency overlaps the current vectors' math instead of
+// stalling it (the merged store's profile: 16-21 % of stall samples waited on the K/V loads). A
+// warp's vectors [first, first + 32 / G) are one contiguous run of keys and one of values; lane l
+// copies chunks l, l + 32, ... of each, so every copy instruction covers 512 contiguous bytes (the
+// lanes' own 16-byte loads at a 32-byte stride made 45 % of the global sectors excess). The
+// buffer holds the runs as they are in memory: lane l's piece is bytes [l, l + 1) x kLaneBytes of
+// each (2-way bank conflicts for 32-byte pieces, cheaper here than swizzling's address math: the
+// store is issue-bound). Per lane, the copy source advances by the grid stride and the shared
+// addresses stay in registers, so an iteration's copies cost about ten instructions. (Bulk copies
+// by one lane took ~50: each moves its addresses to uniform registers in an elect loop.)
 template <typename T, int D>
 struct InputStaging {
   static constexpr int G = vector_lanes(D);
   static constexpr int E = D / G;
+  static constexpr int kVectors = 32 / G;  // per warp
   static constexpr int kVectorBytes = D * static_cast<int>(sizeof(T));
-  static constexpr int kRunBytes = (32 / G) * kVectorBytes;  // a warp's keys (or values)
+  static constexpr int kRunBytes = kVectors * kVectorBytes;  // a warp's keys (or values)
   static constexpr int kChunks = kRunBytes / 16;
   static constexpr int kWarpBytes = 2 * kRunBytes;  // keys, then values
-  static constexpr int kLaneBytes = E * static_cast<int>(sizeof(T));  // lane l's piece: bytes [l, l + 1) x this
-  // 16-byte chunks per lane piece. With 2 or 4, the 8 lanes of a 16-byte shared load would read
-  // chunks 2 or 4 apart (2- or 4-way bank conflicts); chunk c is stored at c ^ ((c / 8) mod k),
-  // which spreads them over the 8 bank groups. Other pieces (D = 96's 24 bytes) are not swizzled.
-  static constexpr int kLaneChunks = kLaneBytes % 16 == 0 ? kLaneBytes / 16 : 0;
-  static constexpr bool kSwizzled = kLaneChunks == 2 || kLaneChunks == 4;
-  static_assert(kRunBytes % 16 == 0, "whole 16-byte chunks");
+  static constexpr int kLaneBytes = E * static_cast<int>(sizeof(T));
+  static_assert(kVectorBytes % 16 == 0 && kLaneBytes % 8 == 0, "16-byte copies, 8-byte reads");
 
-  static __device__ __forceinline__ int place(int chunk) {
-    return kSwizzled ? chunk ^ ((chunk >> 3) & (kLaneChunks - 1)) : chunk;
-  }
+  const uint8_t* source;  // keys + first * kVectorBytes + 16 * lane
+  int64_t value_offset;   // values - keys, in bytes
+  uint32_t copy_to;       // this lane's first chunk in the warp's buffer (shared address)
+  uint32_t piece;         // this lane's piece of the keys in the buffer
 
-  // Copies the keys and values of vectors [first, first + 32 / G) into `buffer` (vectors past the
-  // batch copy the last vector again: nothing is written for them, but their math stays finite).
-  static __device__ __forceinline__ void issue(uint8_t* buffer, const T* key, const T* value, int64_t first,
-                                               int64_t vectors, int lane) {
-    const bool whole = first + 32 / G <= vectors;  // warp-uniform
+  __device__ __forceinline__ InputStaging(const void* keys, const void* values, uint32_t buffer, int64_t first, int lane)
+      : source(static_cast<const uint8_t*>(keys) + first * kVectorBytes + 16 * lane),
+        value_offset(static_cast<const uint8_t*>(values) - static_cast<const uint8_t*>(keys)),
+        copy_to(device::opaque(buffer + 16 * lane)),
+        piece(device::opaque(buffer + kLaneBytes * lane)) {}
+
+  // Copies the keys and values of the warp's vectors [first, first + kVectors) (the source's
+  // current position); vectors past the batch copy the last vector again (nothing is written for
+  // them, but their math stays finite). Warp-uniform.
+  __device__ __forceinline__ void issue(int64_t first, int64_t vectors, int lane) const {
+    if (first + kVectors <= vectors) {
 #pragma unroll
-    for (int j = 0; j < (kChunks + 31) / 32; ++j) {
-      const int chunk = lane + 32 * j;
-      if (kChunks % 32 != 0 && chunk >= kChunks) break;
-      const int v = chunk * 16 / kVectorBytes;
-      const int64_t item = whole ? first + v : min(first + v, vectors - 1);
-      const int64_t offset = item * kVectorBytes + (chunk * 16 - v * kVectorBytes);
-      device::cp_async_16(buffer + place(chunk) * 16, reinterpret_cast<const uint8_t*>(key) + offset);
-      device::cp_async_16(buffer + kRunBytes + place(chunk) * 16, reinterpret_cast<const uint8_t*>(value) + offset);
+      for (int j = 0; j < (kChunks + 31) / 32; ++j) {
+        if (kChunks % 32 != 0 && lane + 32 * j >= kChunks) break;
+        copy(copy_to + 512 * j, source + 512 * j);
+      }
+    } else {  // the batch's last warp, once
+      const uint8_t* const run = source - 16 * lane;
+#pragma unroll
+      for (int j = 0; j < (kChunks + 31) / 32; ++j) {
+        const int chunk = lane + 32 * j;
+        if (kChunks % 32 != 0 && chunk >= kChunks) break;
+        const int v = chunk * 16 / kVectorBytes;
+        const int64_t past = first + v - (vectors - 1);  // > 0: that many vectors past the last one
+        copy(copy_to + 512 * j, run + 16 * chunk - (past > 0 ? past * kVectorBytes : 0));
+      }
     }
     device::cp_async_commit();
   }
 
-  // This lane's E key and value elements, once its copies landed and the warp synchronized.
-  static __device__ __forceinline__ void read(const uint8_t* buffer, int lane, float (&k)[E], float (&v)[E]) {
-    T kv[2][E];
+  __device__ __forceinline__ void copy(uint32_t to, const uint8_t* from) const {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(from) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to + kRunBytes), "l"(from + value_offset) : "memory");
+  }
+
+  __device__ __forceinline__ void advance(int64_t step) { source += step * kVectorBytes; }
+
+  // Until this lane's copies landed, then the warp's.
+  static __device__ __forceinline__ void wait() {
+    device::cp_async_wait<0>();
+    __syncwarp();
+  }
+
+  // This lane's E key and value elements.
+  __device__ __forceinline__ void read(float (&k)[E], float (&v)[E]) const {
+    uint32_t words[2][kLaneBytes / 4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* run = buffer + half * kRunBytes;
-      if constexpr (kLaneChunks > 0) {
 #pragma unroll
-        for (int j = 0; j < kLaneChunks; ++j) {
-          reinterpret_cast<uint4*>(kv[half])[j] = reinterpret_cast<const uint4*>(run)[place(lane * kLaneChunks + j)];
-        }
-      } else {
-        static_assert(kLaneBytes % 8 == 0, "8-byte pieces");
-#pragma unroll
-        for (int j = 0; j < kLaneBytes / 8; ++j) {
-          reinterpret_cast<uint2*>(kv[half])[j] = reinterpret_cast<const uint2*>(run + lane * kLaneBytes)[j];
+      for (int j = 0; j < kLaneBytes / 8; ++j) {
+        if (kLaneBytes % 16 == 0 && j % 2 == 1) continue;
+        const uint32_t at = piece + half * kRunBytes + 8 * j;
+        uint32_t* w = words[half] + 2 * j;
+        if (kLaneBytes % 16 == 0) {  // volatile: after the wait, whatever the compiler sees
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at));
+        } else {
+          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(at));
         }
       }
     }
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      k[j] = device::to_float(kv[0][j]);
-      v[j] = device::to_float(kv[1][j]);
+    for (int half = 0; half < 2; ++half) {
+      float(&out)[E] = half == 0 ? k : v;
+#pragma unroll
+      for (int j = 0; j < E / 2; ++j) {
+        const uint32_t pair = words[half][j * sizeof(T) * 2 / 4];
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          // A bf16 is the high half of its float: one shift or one mask per element (to_float
+          // on an element of a pair extracts it first, two instructions for the upper one).
+          out[2 * j] = __uint_as_float(pair << 16);
+          out[2 * j + 1] = __uint_as_float(pair & 0xffff0000u);
+        } else if constexpr (std::is_same_v<T, __half>) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+          out[2 * j] = f.x;
+          out[2 * j + 1] = f.y;
+        } else {
+          out[2 * j] = __uint_as_float(words[half][2 * j]);
+          out[2 * j + 1] = __uint_as_float(words[half][2 * j + 1]);
+        }
+      }
     }
   }
 };
@@ -131,7 +174,27 @@ __device__ __forceinline__ void write_slot_pieces(uint8_t* slot, int part, const
   }
 }
 
-// Where vector `item` (= token * heads + head) goes, as slot_mapping says: slot -1 past the batch.
+// The (token, head) of a lane's vector, advanced by the grid stride each loop iteration without a
+// division (one 32-bit division per iteration was ~20 instructions of the store's ~880).
+struct VectorCursor {
+  int64_t token;
+  int head;
+  int64_t step_tokens;  // the stride in whole tokens ...
+  int step_heads;       // ... and heads
+  __device__ __forceinline__ VectorCursor(int64_t item, int64_t step, int heads)
+      : token(item / heads), head(static_cast<int>(item % heads)), step_tokens(step / heads),
+        step_heads(static_cast<int>(step % heads)) {}
+  __device__ __forceinline__ void advance(int heads) {
+    token += step_tokens;
+    head += step_heads;
+    if (head >= heads) {
+      head -= heads;
+      ++token;
+    }
+  }
+};
+
+// Where a vector goes: the slot_mapping entry of its token (-1 past the batch) and its head.
 // Loaded one loop iteration ahead; whether the slot is inside the cache is asked only when the
 // slot is written (inside_cache), so the load's latency is not waited for at once.
 struct Destination {
@@ -139,19 +202,12 @@ struct Destination {
   int head;
 };
 
-__device__ __forceinline__ Destination destination_of(const StoreParams& p, int64_t item, int64_t vectors) {
+__device__ __forceinline__ Destination destination_of(const StoreParams& p, const VectorCursor& at, int64_t item,
+                                                      int64_t vectors) {
   if (item >= vectors) return {-1, 0};
-  const int heads = p.cache.num_kv_heads;
-  int64_t token;
-  if (vectors <= 0xffffffffLL) {  // 32-bit division: a 64-bit one is a long subroutine
-    token = static_cast<uint32_t>(item) / static_cast<uint32_t>(heads);
-  } else {
-    token = item / heads;
-  }
-  const int head = static_cast<int>(item - token * heads);
-  const int64_t slot = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[token]
-                                            : static_cast<const int32_t*>(p.slot_mapping)[token];
-  return {slot, head};
+  const int64_t slot = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[at.token]
+                                            : static_cast<const int32_t*>(p.slot_mapping)[at.token];
+  return {slot, at.head};
 }
 
 // Padding (negative) and slots past the cache write nothing.
@@ -197,18 +253,17 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
 
   __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
   __shared__ __align__(16) GridCell cells[kGridCells * kGridReplicas];
-  using Staging = InputStaging<T, D>;
-  extern __shared__ __align__(16) uint8_t staging[];  // [kStoreWarps][Staging::kWarpBytes]
-  uint8_t* const my_staging = staging + (threadIdx.x / 32) * Staging::kWarpBytes;
-  const int lane = threadIdx.x & 31;
+  extern __shared__ __align__(16) uint8_t staging[];  // [kStoreWarps][InputStaging::kWarpBytes]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kStoreWarps * kVectorsPerWarp;
-  const T* const key_in = static_cast<const T*>(p.key);
-  const T* const value_in = static_cast<const T*>(p.value);
-  int64_t first = (static_cast<int64_t>(blockIdx.x) * kStoreWarps + threadIdx.x / 32) * kVectorsPerWarp;
+  int64_t first = (static_cast<int64_t>(blockIdx.x) * kStoreWarps + warp) * kVectorsPerWarp;
+  InputStaging<T, D> input(p.key, p.value,
+                           device::smem_address(staging) + warp * InputStaging<T, D>::kWarpBytes, first, lane);
   // The first vectors' copies and slot go out before the tables are built, overlapping them.
-  if (first < vectors) Staging::issue(my_staging, key_in, value_in, first, vectors, lane);
-  Destination next_dst = destination_of(p, first + lane / G, vectors);
+  if (first < vectors) input.issue(first, vectors, lane);
+  VectorCursor cursor(first + lane / G, step, p.cache.num_kv_heads);
+  Destination next_dst = destination_of(p, cursor, first + lane / G, vectors);
 
   if constexpr (!kFp8Key) {
     if (grid.usable) {
@@ -237,24 +292,36 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   // the last vector and write nothing.
   for (; first < vectors; first += step) {
     float k[E], v[E];
-    device::cp_async_wait<0>();
-    __syncwarp();  // every lane's copies landed
-    Staging::read(my_staging, lane, k, v);
+    input.wait();
+    input.read(k, v);
     const Destination dst = next_dst;
     __syncwarp();  // every lane read its piece: the buffer takes the next vectors
     if (first + step < vectors) {  // warp-uniform
-      Staging::issue(my_staging, key_in, value_in, first + step, vectors, lane);
-      next_dst = destination_of(p, first + step + lane / G, vectors);
+      input.advance(step);
+      input.issue(first + step, vectors, lane);
+      cursor.advance(p.cache.num_kv_heads);
+      next_dst = destination_of(p, cursor, first + step + lane / G, vectors);
     }
 
     // ---- key
     uint32_t key_words[(E * kKeyBits + 31) / 32];
     uint16_t key_norm_bits = 0;
     if constexpr (kFp8Key) {
-      uint32_t codes[E];
+      // Hardware conversions (about 20 instructions per element in software); where an element is
+      // NaN, the CPU's rule element by element, which keeps the element's sign.
+      static_assert(E % 4 == 0, "whole words of FP8 bytes");
+      bool nan = false;
 #pragma unroll
-      for (int j = 0; j < E; ++j) codes[j] = float_to_fp8_e4m3(k[j]);
-      pack_codes<E, 8>(codes, key_words);
+      for (int w = 0; w < E / 4; ++w) {
+        key_words[w] = device::floats_to_fp8x4(k[4 * w], k[4 * w + 1], k[4 * w + 2], k[4 * w + 3]);
+        nan |= device::has_fp8_nan(key_words[w]);
+      }
+      if (nan) {
+        uint32_t codes[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) codes[j] = float_to_fp8_e4m3(k[j]);
+        pack_codes<E, 8>(codes, key_words);
+      }
     } else {
       const float norm = sqrtf(device::group_sum_of_squares<E, G>(k));
       const float denom = norm + kKeyNormEpsilon;

@@ -169,6 +169,31 @@ def test_store_k8v4_d96_and_float32_input():
     _compare_caches(gpu, cpu, "turboquant_k8v4", 96, key, value, slots)
 
 
+def test_store_fp8_keys_every_rounding_case_like_cpu():
+    """The CUDA store converts FP8 keys with the hardware instruction: every e4m3 value, the exact
+    midpoints between neighbours (ties to even), their float neighbours, subnormals, values past
+    448 (saturation), +-inf, -0.0 and NaN of either sign give the CPU's bytes."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = e4m3[torch.isfinite(e4m3)].unique()  # ascending, -448 .. 448
+    mids = (finite[1:] + finite[:-1]) / 2
+    ties = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, math.inf)),
+                      torch.nextafter(mids, torch.full_like(mids, -math.inf))])
+    special = torch.tensor([449.0, 463.9, 464.0, 1e6, -500.0, math.inf, -math.inf, -0.0, 2.0 ** -10, 2.0 ** -11,
+                            3 * 2.0 ** -11, float("nan"), -float("nan")])
+    values = torch.cat([finite, ties, special])
+    d = 128
+    values = torch.cat([values, values[: (-values.numel()) % d]])  # whole vectors
+    key = values.reshape(-1, 1, d).float()
+    value = torch.randn_like(key)
+    n = key.shape[0]
+    cpu = tq.allocate_kv_cache((n + 15) // 16, 16, 1, d, "turboquant_k8v4")
+    gpu = cpu.cuda()
+    slots = torch.arange(n, dtype=torch.int64)
+    tq.store_kv(key, value, cpu, slots, "turboquant_k8v4")
+    tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), "turboquant_k8v4")
+    _compare_caches(gpu, cpu, "turboquant_k8v4", d, key, value, slots)
+
+
 SEQ_LENS = [0, 1, 17, 300, 1000, 64]
 
 
