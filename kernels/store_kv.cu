@@ -4,8 +4,10 @@
 // every reduction is log2(G) shuffles. Key: norm (group reduction), Hadamard rotation as an
 // in-register FWHT with shuffles, then normalization by one multiply per coordinate, Lloyd-Max
 // bucketing by grid lookup (a bank-replicated table), norm correction folded into the stored norm
-// (or FP8 e4m3). Value: group min/max, fp16 scale/zero, codes by one reciprocal and an FMA. Each lane
-// packs its own piece of the index streams in registers. Where a warp's vectors are adjacent heads
+// (or FP8 e4m3 by the hardware conversion). Value: group min/max, fp16 scale/zero, codes by one
+// reciprocal and an FMA. One wave of CTAs loops over the batch; each warp's next vectors arrive in
+// shared memory while it works on the current ones (InputStaging). Each lane packs its own piece
+// of the index streams in registers. Where a warp's vectors are adjacent heads
 // of one token in the cache, their slots are one run of bytes: assembled in shared memory and
 // written as 8-byte words; elsewhere each lane writes its pieces with 16-bit stores (slots are only
 // 2-byte aligned). The CPU reference's bytes (csrc/slot_codec.cpp) up to issue #3's allowance: an
