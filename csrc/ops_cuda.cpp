@@ -50,7 +50,7 @@ void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
   TQ_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
   TQ_CHECK(reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
-              "turboquant: CUDA store_kv needs 16-byte aligned key and value (vector loads); got a view with an odd offset");
+              "turboquant: CUDA store_kv needs 16-byte aligned key and value (16-byte copies); got a view with an odd offset");
   const c10::cuda::CUDAGuard guard(key.device());
   StoreParams p;
   p.key = key.data_ptr();

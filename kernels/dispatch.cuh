@@ -20,7 +20,6 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   return blocks > 0 ? blocks : 1;
 }
 
-
 // Calls launch.run<T, D, kFp8Key>(); unsupported combinations give cudaErrorInvalidValue (the
 // glue checks cuda_supports_head_dim first and raises a clear error).
 template <typename T, class Launch>

@@ -29,15 +29,16 @@ namespace turboquant {
 namespace {
 
 constexpr int kStoreWarps = 8;
-// CTAs per SM the kernel is built for: 64 registers per thread, half the SM's warps (48 for
-// five CTAs made even FP8 keys spill ~100 bytes).
+// CTAs per SM the kernel is built for: 64 registers per thread, half the SM's warps. (Some fp16,
+// fp32 and FP8 instantiations spill 8-28 bytes at 64; 48 registers, for five CTAs, made even FP8
+// keys spill ~100 bytes.)
 constexpr int kStoreCtasPerSm = 4;
 
 // Each warp's next input vectors, copied one loop iteration ahead into its shared-memory buffer
 // with 16-byte cp.async: the copies' DRAM latency overlaps the current vectors' math instead of
 // stalling it (the merged store's profile: 16-21 % of stall samples waited on the K/V loads). A
 // warp's vectors [first, first + 32 / G) are one contiguous run of keys and one of values; lane l
-// copies chunks l, l + 32, ... of each, so every copy instruction covers 512 contiguous bytes (the
+// copies chunks l, l + 32, ... of each, so a copy instruction covers 512 contiguous bytes (the
 // lanes' own 16-byte loads at a 32-byte stride made 45 % of the global sectors excess). The
 // buffer holds the runs as they are in memory: lane l's piece is bytes [l, l + 1) x kLaneBytes of
 // each (2-way bank conflicts for 32-byte pieces, cheaper here than swizzling's address math: the
@@ -69,7 +70,7 @@ struct InputStaging {
 
   // Copies the keys and values of the warp's vectors [first, first + kVectors) (the source's
   // current position); vectors past the batch copy the last vector again (nothing is written for
-  // them, but their math stays finite). Warp-uniform.
+  // them; their math only has to read initialized memory). Warp-uniform.
   __device__ __forceinline__ void issue(int64_t first, int64_t vectors, int lane) const {
     if (first + kVectors <= vectors) {
 #pragma unroll
@@ -440,8 +441,10 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   }
 }
 
-// Once per instantiation (and process): the shared memory opt-in (the staging and the static
-// tables pass the 48 KB default) and the CTAs that fit on one SM.
+// Once per instantiation (and process): the shared memory opt-in (for Lloyd-Max keys the staging
+// and the static tables pass the 48 KB default) and the CTAs that fit on one SM. The opt-in and
+// the count are those of the device current at the first call: a store on a second GPU of the
+// same process would fail to launch (a per-device opt-in is the next change).
 template <typename T, int D, int kKeyBits, int kValueBits>
 int store_resident_ctas() {
   static const int per_sm = [] {
