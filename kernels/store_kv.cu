@@ -129,15 +129,14 @@ struct InputStaging {
     for (int half = 0; half < 2; ++half) {
       float(&out)[E] = half == 0 ? k : v;
 #pragma unroll
-      for (int j = 0; j < E / 2; ++j) {
-        const uint32_t pair = words[half][j * sizeof(T) * 2 / 4];
+      for (int j = 0; j < E / 2; ++j) {  // elements 2j, 2j + 1
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
           // A bf16 is the high half of its float: one shift or one mask per element (to_float
           // on an element of a pair extracts it first, two instructions for the upper one).
-          out[2 * j] = __uint_as_float(pair << 16);
-          out[2 * j + 1] = __uint_as_float(pair & 0xffff0000u);
+          out[2 * j] = __uint_as_float(words[half][j] << 16);
+          out[2 * j + 1] = __uint_as_float(words[half][j] & 0xffff0000u);
         } else if constexpr (std::is_same_v<T, __half>) {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[half][j]));
           out[2 * j] = f.x;
           out[2 * j + 1] = f.y;
         } else {
