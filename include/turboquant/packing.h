@@ -32,15 +32,30 @@ TQ_HD void pack_group_of_8(const uint8_t* idx, int bits, uint8_t* out) {
 // Packs E consecutive indices of a `kBits`-bit stream, the first at bit 0 of words[0], with the
 // same rule as pack_group_of_8: a lane's piece of a field when E * kBits is a whole number of
 // bytes. Fully unrolled, so the shifts are constants and the indices stay in registers.
+// Codes must be below 2^kBits. Where codes do not straddle words (kBits divides 32) a word is
+// built from its top code down, (acc << kBits) + code: one shift-add (LEA on the GPU) per code
+// instead of a shift and an OR.
 template <int E, int kBits>
 TQ_HD void pack_codes(const uint32_t (&codes)[E], uint32_t (&words)[(E * kBits + 31) / 32]) {
-  TQ_UNROLL
-  for (int w = 0; w < (E * kBits + 31) / 32; ++w) words[w] = 0;
-  TQ_UNROLL
-  for (int j = 0; j < E; ++j) {
-    const int bit = j * kBits, w = bit >> 5, s = bit & 31;
-    words[w] |= codes[j] << s;
-    if (s + kBits > 32) words[w + 1] |= codes[j] >> (32 - s);
+  if constexpr (32 % kBits == 0) {
+    constexpr int kPerWord = 32 / kBits;
+    TQ_UNROLL
+    for (int w = 0; w < (E * kBits + 31) / 32; ++w) {
+      const int first = w * kPerWord, last = (first + kPerWord < E ? first + kPerWord : E) - 1;
+      uint32_t acc = codes[last];
+      TQ_UNROLL
+      for (int j = last - 1; j >= first; --j) acc = (acc << kBits) + codes[j];
+      words[w] = acc;
+    }
+  } else {
+    TQ_UNROLL
+    for (int w = 0; w < (E * kBits + 31) / 32; ++w) words[w] = 0;
+    TQ_UNROLL
+    for (int j = 0; j < E; ++j) {
+      const int bit = j * kBits, w = bit >> 5, s = bit & 31;
+      words[w] |= codes[j] << s;
+      if (s + kBits > 32) words[w + 1] |= codes[j] >> (32 - s);
+    }
   }
 }
 
