@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "launchers.h"
 
 namespace turboquant {
@@ -18,6 +20,26 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes) != cudaSuccess) return 1;
   return blocks > 0 ? blocks : 1;
+}
+
+// A kernel's shared-memory opt-in and resident CTAs per SM, once per device of the process (the
+// opt-in applies to the device current when it is made, so a process that launches on several
+// GPUs needs it on each). Returns 0 where the opt-in failed. Kernel: the kernel function itself,
+// so each instantiation keeps its own table.
+constexpr int kMaxDevices = 64;
+template <auto Kernel>
+int opt_in_resident_ctas(int threads, int smem_bytes) {
+  static std::atomic<int> per_sm[kMaxDevices];  // 0: not asked yet on that device; -1: opt-in failed
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  int n = per_sm[device].load(std::memory_order_relaxed);
+  if (n == 0) {  // two threads may both ask: they store the same answer
+    n = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess
+            ? resident_ctas_per_sm(Kernel, threads, smem_bytes)
+            : -1;
+    per_sm[device].store(n, std::memory_order_relaxed);
+  }
+  return n > 0 ? n : 0;
 }
 
 // Calls launch.run<T, D, kFp8Key>(); unsupported combinations give cudaErrorInvalidValue (the

@@ -440,19 +440,12 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   }
 }
 
-// Once per instantiation (and process): the shared memory opt-in (for Lloyd-Max keys the staging
-// and the static tables pass the 48 KB default) and the CTAs that fit on one SM. The opt-in and
-// the count are those of the device current at the first call: a store on a second GPU of the
-// same process would fail to launch (a per-device opt-in is the next change).
+// The shared memory opt-in (for Lloyd-Max keys the staging and the static tables pass the 48 KB
+// default) and the CTAs that fit on one SM, once per device.
 template <typename T, int D, int kKeyBits, int kValueBits>
 int store_resident_ctas() {
-  static const int per_sm = [] {
-    const auto kernel = store_kv_kernel<T, D, kKeyBits, kValueBits>;
-    constexpr int kDynamic = store_dynamic_smem_bytes<T, D>();
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamic) != cudaSuccess) return 0;
-    return resident_ctas_per_sm(kernel, kStoreWarps * 32, kDynamic);
-  }();
-  return per_sm;
+  return opt_in_resident_ctas<store_kv_kernel<T, D, kKeyBits, kValueBits>>(kStoreWarps * 32,
+                                                                         store_dynamic_smem_bytes<T, D>());
 }
 
 struct StoreLaunch {

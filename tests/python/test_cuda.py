@@ -194,6 +194,23 @@ def test_store_fp8_keys_every_rounding_case_like_cpu():
     _compare_caches(gpu, cpu, "turboquant_k8v4", d, key, value, slots)
 
 
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("head_dim,heads,tokens", [(128, 2, 40001), (128, 8, 10001), (64, 2, 40003)])
+def test_store_many_loop_iterations_and_a_partial_last_warp_like_cpu(preset, head_dim, heads, tokens):
+    """More vectors than one wave of CTAs holds, so every warp stages several iterations through
+    its buffer and advances its (token, head) by the grid stride; with 2 heads a vector count that
+    leaves the batch's last warp partly past the end (the copies' tail path), with 8 heads the
+    warps' slots written as whole runs."""
+    key = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
+    value = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
+    slots = torch.randperm(tokens)
+    cpu = tq.allocate_kv_cache((tokens + 15) // 16, 16, heads, head_dim, preset)
+    gpu = cpu.cuda()
+    tq.store_kv(key, value, cpu, slots, preset)
+    tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), preset)
+    _compare_caches(gpu, cpu, preset, head_dim, key, value, slots)
+
+
 SEQ_LENS = [0, 1, 17, 300, 1000, 64]
 
 
