@@ -277,12 +277,10 @@ int query_chunks_of(const DecodeParams& p) {
   return varlen_query_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
 }
 
-// Once per instantiation (and process): opt in to the shared memory it needs.
+// Once per instantiation and device: the shared memory opt-in and the resident CTAs.
 template <class C, typename T>
-cudaError_t prepare_decode_kernel() {
-  static const cudaError_t status =
-      cudaFuncSetAttribute(decode_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  return status;
+KernelResidency prepare_decode_kernel() {
+  return opt_in_kernel<decode_kernel<C, T>>(kThreads, C::kSmemBytes);
 }
 
 struct LaunchDecode {
@@ -290,7 +288,7 @@ struct LaunchDecode {
   cudaStream_t stream;
   template <class C, typename T>
   cudaError_t run() const {
-    cudaError_t err = prepare_decode_kernel<C, T>();
+    cudaError_t err = prepare_decode_kernel<C, T>().status;
     if (err != cudaSuccess) return err;
     const int head_chunks = head_chunks_of(p);
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
@@ -307,10 +305,8 @@ struct ResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
-    static const int n = prepare_decode_kernel<C, T>() == cudaSuccess
-                             ? resident_ctas_per_sm(decode_kernel<C, T>, kThreads, C::kSmemBytes)
-                             : 1;
-    *per_sm = n;
+    const int n = prepare_decode_kernel<C, T>().per_sm;
+    *per_sm = n > 0 ? n : 1;
     return cudaSuccess;
   }
 };

@@ -367,8 +367,7 @@ struct LaunchChunked {
       return cudaErrorNotSupported;
     } else {
       using C = ChunkedConfig<D, kKeyBits == 8, kKeyBits, kValueBits>;
-      static const cudaError_t attr = cudaFuncSetAttribute(
-          decode_chunked_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+      const cudaError_t attr = opt_in_kernel<decode_chunked_kernel<C, T>>(kDecodeThreads, C::kSmemBytes).status;
       if (attr != cudaSuccess) return attr;
       const float q_multiplier = decode_query_multiplier<C>(p.scale);
       const dim3 grid(p.cache.num_kv_heads, p.num_splits, decode_chunked_query_chunks(p));

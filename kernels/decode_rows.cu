@@ -251,12 +251,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   }
 }
 
-// Once per instantiation (and process): opt in to the shared memory it needs.
+// Once per instantiation and device: the shared memory opt-in and the resident CTAs.
 template <class C, typename T>
-cudaError_t prepare_rows_kernel() {
-  static const cudaError_t status =
-      cudaFuncSetAttribute(decode_rows_kernel<C, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  return status;
+KernelResidency prepare_rows_kernel() {
+  return opt_in_kernel<decode_rows_kernel<C, T>>(kDecodeThreads, C::kSmemBytes);
 }
 
 // Whether the build holds sm_90 code for the kernel (its bulk copies and barriers compile to
@@ -277,7 +275,7 @@ struct RowsBuilt {
   template <class C, typename T>
   cudaError_t run() const {
     // ... and the device grants its shared memory (a smaller per-block limit fails the opt-in).
-    *built = built_for_sm90<C, T>() && prepare_rows_kernel<C, T>() == cudaSuccess;
+    *built = built_for_sm90<C, T>() && prepare_rows_kernel<C, T>().status == cudaSuccess;
     return cudaSuccess;
   }
 };
@@ -286,10 +284,8 @@ struct RowsResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
-    static const int n = prepare_rows_kernel<C, T>() == cudaSuccess
-                             ? resident_ctas_per_sm(decode_rows_kernel<C, T>, kDecodeThreads, C::kSmemBytes)
-                             : 1;
-    *per_sm = n;
+    const int n = prepare_rows_kernel<C, T>().per_sm;
+    *per_sm = n > 0 ? n : 1;
     return cudaSuccess;
   }
 };
@@ -299,7 +295,7 @@ struct LaunchRows {
   cudaStream_t stream;
   template <class C, typename T>
   cudaError_t run() const {
-    cudaError_t err = prepare_rows_kernel<C, T>();
+    cudaError_t err = prepare_rows_kernel<C, T>().status;
     if (err != cudaSuccess) return err;
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;

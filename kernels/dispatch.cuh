@@ -22,24 +22,31 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   return blocks > 0 ? blocks : 1;
 }
 
-// A kernel's shared-memory opt-in and resident CTAs per SM, once per device of the process (the
-// opt-in applies to the device current when it is made, so a process that launches on several
-// GPUs needs it on each). Returns 0 where the opt-in failed. Kernel: the kernel function itself,
-// so each instantiation keeps its own table.
+// A kernel's shared-memory opt-in and its resident CTAs per SM, once per device of the process:
+// the opt-in applies to the device current when it is made, so a process that launches on
+// several GPUs needs it on each. Kernel: the kernel function itself, so each instantiation keeps
+// its own table.
+struct KernelResidency {
+  cudaError_t status;  // of the opt-in
+  int per_sm;          // CTAs of `threads` that fit on one SM; 0 where the opt-in failed
+};
 constexpr int kMaxDevices = 64;
 template <auto Kernel>
-int opt_in_resident_ctas(int threads, int smem_bytes) {
-  static std::atomic<int> per_sm[kMaxDevices];  // 0: not asked yet on that device; -1: opt-in failed
+KernelResidency opt_in_kernel(int threads, int smem_bytes) {
+  // Per device: 0 not asked yet, > 0 the CTAs per SM, < 0 minus the opt-in's error.
+  static std::atomic<int> cached[kMaxDevices];
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  int n = per_sm[device].load(std::memory_order_relaxed);
-  if (n == 0) {  // two threads may both ask: they store the same answer
-    n = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess
-            ? resident_ctas_per_sm(Kernel, threads, smem_bytes)
-            : -1;
-    per_sm[device].store(n, std::memory_order_relaxed);
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    return {cudaErrorInvalidDevice, 0};
   }
-  return n > 0 ? n : 0;
+  int n = cached[device].load(std::memory_order_relaxed);
+  if (n == 0) {  // two threads may both ask: they store the same answer
+    const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    n = status == cudaSuccess ? resident_ctas_per_sm(Kernel, threads, smem_bytes) : -static_cast<int>(status);
+    cached[device].store(n, std::memory_order_relaxed);
+  }
+  if (n < 0) return {static_cast<cudaError_t>(-n), 0};
+  return {cudaSuccess, n};
 }
 
 // Calls launch.run<T, D, kFp8Key>(); unsupported combinations give cudaErrorInvalidValue (the

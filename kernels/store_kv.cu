@@ -444,8 +444,8 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
 // default) and the CTAs that fit on one SM, once per device.
 template <typename T, int D, int kKeyBits, int kValueBits>
 int store_resident_ctas() {
-  return opt_in_resident_ctas<store_kv_kernel<T, D, kKeyBits, kValueBits>>(kStoreWarps * 32,
-                                                                         store_dynamic_smem_bytes<T, D>());
+  return opt_in_kernel<store_kv_kernel<T, D, kKeyBits, kValueBits>>(kStoreWarps * 32, store_dynamic_smem_bytes<T, D>())
+      .per_sm;
 }
 
 struct StoreLaunch {
