@@ -313,6 +313,41 @@ def test_graph_capture_store_and_decode_with_changing_seq_lens():
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
+def test_first_store_and_decode_of_a_process_inside_graph_capture():
+    """A serving engine may capture its first step: the kernels' one-time set-up (shared-memory
+    opt-in, resident CTAs per SM) then runs during capture. In a fresh process the captured store
+    and decode replay to the eager results."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        "import sys, torch\n"
+        "sys.path[:0] = [%r, %r]\n"
+        "import turboquant as tq\n"
+        "from helpers import make_paged_batch\n"
+        "preset = 'turboquant_4bit_nc'\n"
+        "cache, bt, sl, _, _ = make_paged_batch([300, 40], 16, 8, 128, preset)\n"
+        "cache, bt, sl = cache.cuda(), bt.cuda(), sl.cuda()\n"
+        "k = torch.randn(2, 8, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "q = torch.randn(2, 32, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "slots = (bt[:, 0].long() * 16 + 3).contiguous()\n"
+        "eager_cache = cache.clone()\n"
+        "graph = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(graph):\n"
+        "    tq.store_kv(k, k, cache, slots, preset)\n"
+        "    out = tq.decode(q, cache, bt, sl, preset, 0.1)\n"
+        "graph.replay()\n"
+        "tq.store_kv(k, k, eager_cache, slots, preset)\n"
+        "assert torch.equal(eager_cache, cache)\n"
+        "eager = tq.decode(q, cache, bt, sl, preset, 0.1)\n"
+        "torch.testing.assert_close(out, eager, rtol=0, atol=0)\n"
+        "print('replayed like eager')\n"
+    ) % (os.path.join(here, "..", "..", "python"), here)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "replayed like eager" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+
+
 def test_compile_fullgraph_on_cuda():
     preset = "turboquant_4bit_nc"
     cache, bt, sl, _, _ = make_paged_batch([40, 9], 16, 2, 64, preset)
