@@ -213,6 +213,7 @@ def test_store_many_loop_iterations_and_a_partial_last_warp_like_cpu(preset, hea
     its buffer and advances its (token, head) by the grid stride; with 2 heads a vector count that
     leaves the batch's last warp partly past the end (the copies' tail path), with 8 heads the
     warps' slots written as whole runs."""
+    torch.manual_seed(tokens + heads)
     key = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
     value = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
     slots = torch.randperm(tokens)
