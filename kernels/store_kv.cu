@@ -29,10 +29,9 @@ namespace turboquant {
 namespace {
 
 constexpr int kStoreWarps = 8;
-// CTAs per SM the kernel is built for: 64 registers per thread, half the SM's warps. (Some fp16,
-// fp32 and FP8 instantiations spill 8-28 bytes at 64; 48 registers, for five CTAs, made even FP8
-// keys spill ~100 bytes.)
-constexpr int kStoreCtasPerSm = 4;
+// CTAs per SM the kernel is built for: 80 registers per thread for a lane's 32 elements (a few
+// instantiations spill 8-56 bytes, outside the folded path's hot loop but for one word).
+constexpr int kStoreCtasPerSm = 3;
 
 // Each warp's next input vectors, copied one loop iteration ahead into its shared-memory buffer
 // with 16-byte cp.async: the copies' DRAM latency overlaps the current vectors' math instead of
@@ -106,51 +105,60 @@ struct InputStaging {
     __syncwarp();
   }
 
-  // This lane's E key and value elements, and the minimum and maximum of its values (fminf /
-  // fmaxf semantics: NaN is passed over). For 16-bit types on the packed pairs: 8 instructions
-  // (3-input packed min/max) where 30 float ones did.
-  __device__ __forceinline__ void read(float (&k)[E], float (&v)[E], float& vmin, float& vmax) const {
-    uint32_t words[2][kLaneBytes / 4];
+  // This lane's E elements of its key (half 0) or value (half 1).
+  __device__ __forceinline__ void read_words(int half, uint32_t (&w)[kLaneBytes / 4]) const {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int j = 0; j < kLaneBytes / 8; ++j) {
-        if (kLaneBytes % 16 == 0 && j % 2 == 1) continue;
-        const uint32_t at = piece + half * kRunBytes + 8 * j;
-        uint32_t* w = words[half] + 2 * j;
-        if (kLaneBytes % 16 == 0) {  // volatile: after the wait, whatever the compiler sees
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at));
-        } else {
-          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(at));
-        }
+    for (int j = 0; j < kLaneBytes / 8; ++j) {
+      if (kLaneBytes % 16 == 0 && j % 2 == 1) continue;
+      const uint32_t at = piece + half * kRunBytes + 8 * j;
+      uint32_t* x = w + 2 * j;
+      if (kLaneBytes % 16 == 0) {  // volatile: after the wait, whatever the compiler sees
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at));
+      } else {
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x[0]), "=r"(x[1]) : "r"(at));
       }
     }
+  }
+
+  static __device__ __forceinline__ void to_floats(const uint32_t (&words)[kLaneBytes / 4], float (&out)[E]) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float(&out)[E] = half == 0 ? k : v;
-#pragma unroll
-      for (int j = 0; j < E / 2; ++j) {  // elements 2j, 2j + 1
-        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-          // A bf16 is the high half of its float: one shift or one mask per element (to_float
-          // on an element of a pair extracts it first, two instructions for the upper one).
-          out[2 * j] = __uint_as_float(words[half][j] << 16);
-          out[2 * j + 1] = __uint_as_float(words[half][j] & 0xffff0000u);
-        } else if constexpr (std::is_same_v<T, __half>) {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[half][j]));
-          out[2 * j] = f.x;
-          out[2 * j + 1] = f.y;
-        } else {
-          out[2 * j] = __uint_as_float(words[half][2 * j]);
-          out[2 * j + 1] = __uint_as_float(words[half][2 * j + 1]);
-        }
+    for (int j = 0; j < E / 2; ++j) {  // elements 2j, 2j + 1
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        // A bf16 is the high half of its float: one shift or one mask per element (to_float
+        // on an element of a pair extracts it first, two instructions for the upper one).
+        out[2 * j] = __uint_as_float(words[j] << 16);
+        out[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+      } else if constexpr (std::is_same_v<T, __half>) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
+        out[2 * j] = f.x;
+        out[2 * j + 1] = f.y;
+      } else {
+        out[2 * j] = __uint_as_float(words[2 * j]);
+        out[2 * j + 1] = __uint_as_float(words[2 * j + 1]);
       }
     }
+  }
+
+  // This lane's E key elements.
+  __device__ __forceinline__ void read_key(float (&k)[E]) const {
+    uint32_t words[kLaneBytes / 4];
+    read_words(0, words);
+    to_floats(words, k);
+  }
+
+  // This lane's E value elements, and their minimum and maximum (fminf / fmaxf semantics: NaN is
+  // passed over). For 16-bit types on the packed pairs: 8 instructions (3-input packed min/max)
+  // where 30 float ones did.
+  __device__ __forceinline__ void read_value(float (&v)[E], float& vmin, float& vmax) const {
+    uint32_t words[kLaneBytes / 4];
+    read_words(1, words);
+    to_floats(words, v);
     if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
       using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-      Pair lo = *reinterpret_cast<const Pair*>(&words[1][0]), hi = lo;
+      Pair lo = *reinterpret_cast<const Pair*>(&words[0]), hi = lo;
 #pragma unroll
       for (int j = 1; j < E / 2; ++j) {
-        const Pair w = *reinterpret_cast<const Pair*>(&words[1][j]);
+        const Pair w = *reinterpret_cast<const Pair*>(&words[j]);
         lo = __hmin2(lo, w);
         hi = __hmax2(hi, w);
       }
@@ -315,18 +323,10 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   // Warp-uniform loop: every lane reaches every shuffle; lanes past the batch compute on a copy of
   // the last vector and write nothing.
   for (; first < vectors; first += step) {
-    float k[E], v[E];
+    float k[E];
     input.wait();
-    float vmin, vmax;
-    input.read(k, v, vmin, vmax);
+    input.read_key(k);
     const Destination dst = next_dst;
-    __syncwarp();  // every lane read its piece: the buffer takes the next vectors
-    if (first + step < vectors) {  // warp-uniform
-      input.advance(step);
-      input.issue(first + step, vectors, lane);
-      cursor.advance(p.cache.num_kv_heads);
-      next_dst = destination_of(p, cursor, first + step + lane / G, vectors);
-    }
 
     // ---- key
     uint32_t key_words[(E * kKeyBits + 31) / 32];
@@ -392,7 +392,16 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
       key_norm_bits = key_norm_half_bits(stored);
     }
 
-    // ---- value
+    // ---- value (read after the key, so the two never hold registers at once)
+    float v[E], vmin, vmax;
+    input.read_value(v, vmin, vmax);
+    __syncwarp();  // every lane read its piece: the buffer takes the next vectors
+    if (first + step < vectors) {  // warp-uniform
+      input.advance(step);
+      input.issue(first + step, vectors, lane);
+      cursor.advance(p.cache.num_kv_heads);
+      next_dst = destination_of(p, cursor, first + step + lane / G, vectors);
+    }
     const ValueQuantParams q =
         value_quant_params(device::group_min<G>(vmin), device::group_max<G>(vmax), kValueBits);
     uint32_t codes[E];

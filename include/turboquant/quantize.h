@@ -133,12 +133,12 @@ TQ_HD bool reciprocal_division_exact(float d) {
 }
 
 // Lanes of a warp that hold one head vector in the CUDA store: the smallest power of two giving
-// each lane at most 16 elements, so a warp stores several vectors and its reductions stay short.
-// n = 64: 4 lanes x 16; 96: 8 x 12; 128: 8 x 16; 256: 16 x 16. The norm's summation order
-// follows this split.
+// each lane at most 32 elements, so a warp stores several vectors, most of the rotation's
+// butterflies stay in registers and the reductions are short. n = 64: 2 lanes x 32; 96: 4 x 24;
+// 128: 4 x 32; 256: 8 x 32. The norm's summation order follows this split.
 TQ_HD constexpr int vector_lanes(int n) {
   int lanes = 1;
-  while (lanes < 32 && lanes * 16 < n) lanes *= 2;
+  while (lanes < 32 && lanes * 32 < n) lanes *= 2;
   return lanes;
 }
 

@@ -114,13 +114,18 @@ TEST(PackCodes, LanePiecesAreTheStreamBytes) {
   expect_lane_pieces_match_the_stream<16, 8>();
   expect_lane_pieces_match_the_stream<12, 4>();
   expect_lane_pieces_match_the_stream<12, 8>();
+  expect_lane_pieces_match_the_stream<32, 3>();  // the store's lanes at D = 64, 128, 256
+  expect_lane_pieces_match_the_stream<32, 4>();
+  expect_lane_pieces_match_the_stream<32, 8>();
+  expect_lane_pieces_match_the_stream<24, 4>();  // D = 96
+  expect_lane_pieces_match_the_stream<24, 8>();
 }
 
 TEST(LaneOrderSum, GroupSplitAndCloseToFloat64) {
-  EXPECT_EQ(vector_lanes(64), 4);
-  EXPECT_EQ(vector_lanes(96), 8);
-  EXPECT_EQ(vector_lanes(128), 8);
-  EXPECT_EQ(vector_lanes(256), 16);
+  EXPECT_EQ(vector_lanes(64), 2);
+  EXPECT_EQ(vector_lanes(96), 4);
+  EXPECT_EQ(vector_lanes(128), 4);
+  EXPECT_EQ(vector_lanes(256), 8);
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int d : {64, 96, 128, 256}) {
