@@ -29,9 +29,9 @@ namespace turboquant {
 namespace {
 
 constexpr int kStoreWarps = 8;
-// CTAs per SM the kernel is built for: 80 registers per thread for a lane's 32 elements (a few
-// instantiations spill 8-56 bytes, outside the folded path's hot loop but for one word).
-constexpr int kStoreCtasPerSm = 3;
+// CTAs per SM the kernel is built for: up to 128 registers per thread, no spills (at 3 CTAs, 80
+// registers, a few instantiations spilled 8-56 bytes and the 4bit_nc store was 2 % slower).
+constexpr int kStoreCtasPerSm = 2;
 
 // Each warp's next input vectors, copied one loop iteration ahead into its shared-memory buffer
 // with 16-byte cp.async: the copies' DRAM latency overlaps the current vectors' math instead of
