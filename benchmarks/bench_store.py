@@ -2,7 +2,7 @@
 norm/divide/fp32 matmul rotation through cuBLAS, then bucketize and pack in torch), vs the copy
 bandwidth, in one process.
 
-    python benchmarks/bench_store.py [--presets ...] [--tokens 65536] [--out results.md]
+    python benchmarks/bench_store.py [--presets ...] [--tokens 65536] [--heads 8] [--out results.md]
 """
 
 from __future__ import annotations
@@ -48,28 +48,29 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", choices=list(tq.PRESETS), default=list(tq.PRESETS))
     p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--heads", type=int, default=HEADS, help="KV heads (the slots of a token's heads are adjacent)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     copy_bw = copy_bandwidth_gbs()
     n = a.tokens
-    lines = [f"Store, {n} tokens x {HEADS} KV heads x D={HEAD_DIM}, bf16 input, {torch.cuda.get_device_name()}, "
+    lines = [f"Store, {n} tokens x {a.heads} KV heads x D={HEAD_DIM}, bf16 input, {torch.cuda.get_device_name()}, "
              f"copy bandwidth {copy_bw:.0f} GB/s; {datetime.date.today()}", "",
              "| preset | fused us | GB/s (read K,V + write slots) | % copy BW | vLLM-style torch us | speed-up | cuBLAS rotation alone us |",
              "|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
     num_blocks = n // BLOCK_SIZE
-    in_bytes = 2 * n * HEADS * HEAD_DIM * 2
+    in_bytes = 2 * n * a.heads * HEAD_DIM * 2
     sets = []
     for _ in range(copies_to_defeat_l2(in_bytes)):
-        k = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(n, a.heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(n, a.heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         sets.append((k, v, torch.randperm(n, device="cuda")))
     hadamard = tq.hadamard(HEAD_DIM, "cuda")
     for preset in a.presets:
         slot = tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
-        cache = tq.allocate_kv_cache(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM, preset, "cuda")
+        cache = tq.allocate_kv_cache(num_blocks, BLOCK_SIZE, a.heads, HEAD_DIM, preset, "cuda")
         us = time_us([lambda s=s: tq.store_kv(s[0], s[1], cache, s[2], preset) for s in sets])
-        moved = in_bytes + n * HEADS * slot
+        moved = in_bytes + n * a.heads * slot
         gbs = moved / (us * 1e-6) / 1e9
         torch_us = rot_us = float("nan")
         if preset == "turboquant_4bit_nc":
@@ -85,8 +86,8 @@ def main():
     lines += ["", "Decode-batch store (one launch), graph replay:", "", "| N tokens | preset | replay us |", "|---|---|---|"]
     for count in (1, 8, 64, 256):
         for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
-            cache = tq.allocate_kv_cache(64, BLOCK_SIZE, HEADS, HEAD_DIM, preset, "cuda")
-            k = torch.randn(count, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            cache = tq.allocate_kv_cache(64, BLOCK_SIZE, a.heads, HEAD_DIM, preset, "cuda")
+            k = torch.randn(count, a.heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             slots = torch.randperm(64 * BLOCK_SIZE, device="cuda")[:count]
             us = graph_replay_us(lambda: tq.store_kv(k, k, cache, slots, preset))
             lines.append(f"| {count} | {preset.replace('turboquant_', '')} | {us:.1f} |")

@@ -276,12 +276,11 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   constexpr int kVectorsPerWarp = 32 / G;
   constexpr int kKeyChunk = E * kKeyBits / 8, kValueChunk = E * kValueBits / 8;  // bytes per lane
   static_assert(G * E == D && kKeyChunk % 2 == 0 && kValueChunk % 2 == 0, "lane pieces are whole halfwords");
-  // The slots of a warp's vectors as one run of bytes (consecutive heads of one token, adjacent in
-  // the cache), assembled in shared memory and written with 8-byte stores where it can be.
+  // The slots of a warp's vectors, assembled in shared memory in vector order and written to the
+  // cache as runs of 8-byte words where they can be (see run_vectors).
   constexpr SlotLayout kLayout = make_slot_layout(D, kFp8Key ? KeyFormat::kFp8 : KeyFormat::kLloydMax, kKeyBits, kValueBits);
-  constexpr int kRunBytes = kVectorsPerWarp * kLayout.slot_size_aligned;
-  constexpr bool kRunsOfWords = kRunBytes % 8 == 0;
-  __shared__ __align__(16) uint8_t runs[kStoreWarps][kRunsOfWords ? kRunBytes : 8];
+  constexpr int kWarpSlotBytes = kVectorsPerWarp * kLayout.slot_size_aligned;
+  __shared__ __align__(16) uint8_t runs[kStoreWarps][(kWarpSlotBytes + 7) / 8 * 8];
 
   __shared__ float centroid[kMaxCodebookLevels], midpoint[kMaxCodebookLevels];
   __shared__ __align__(16) GridCell cells[kGridCells * kGridReplicas];
@@ -318,7 +317,17 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   const uint32_t cells_biased = device::smem_address(cells) + (threadIdx.x % kGridReplicas) * sizeof(GridCell) -
                                 grid.rounding_bias_bits * kGridRowBytes;
   const int part = lane & (G - 1);  // which E elements of its vector this lane holds
-  const bool heads_per_run = p.cache.num_kv_heads % kVectorsPerWarp == 0 && p.cache.stride_head == kLayout.slot_size_aligned;
+  // A run: consecutive vectors of the warp whose slots are one range of bytes in the cache. Where
+  // the heads of a token are adjacent (token-major view), the largest power of two dividing both
+  // the KV heads and the warp's vectors: the warp's first vector is a multiple of the warp's
+  // vectors and a token's first a multiple of the heads, so a run never straddles two tokens
+  // (8 heads at D = 128: the warp's 8 vectors; 4 heads: two runs of 4). Otherwise one slot. Runs
+  // of whole 8-byte words only (else the lanes write their pieces straight to the cache).
+  const int heads = p.cache.num_kv_heads;
+  const int run_vectors = p.cache.stride_head == kLayout.slot_size_aligned ? std::min(kVectorsPerWarp, heads & -heads) : 1;
+  const int run_words = run_vectors * kLayout.slot_size_aligned / 8;
+  const int run_lanes = run_vectors * G;
+  const bool runs_of_words = run_vectors * kLayout.slot_size_aligned % 8 == 0;
 
   // Warp-uniform loop: every lane reaches every shuffle; lanes past the batch compute on a copy of
   // the last vector and write nothing.
@@ -425,21 +434,25 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
                                          : p.cache.data + (slot_index >> block_shift) * p.cache.stride_block +
                                                (slot_index & (p.cache.block_size - 1)) * p.cache.stride_token +
                                                dst.head * p.cache.stride_head;
-    // The warp's slots as one run: every vector written, all of one token (heads_per_run: the KV
-    // heads are a multiple of the warp's vectors, so a warp never straddles two tokens), heads
-    // adjacent in the cache, the run 8-byte aligned. Written as whole 8-byte words, the run fills
-    // its sectors; 16-bit pieces straight to the cache touched each sector several times (63 % of
-    // the store's global sectors were excess in its profile).
-    uint8_t* const run = slot - (lane / G) * kLayout.slot_size_aligned;
-    const bool whole_run = kRunsOfWords && heads_per_run && slot_index >= 0 &&
-                           (reinterpret_cast<uintptr_t>(run) & 7) == 0;
+    // Every vector written and every run 8-byte aligned: the runs go out as whole 8-byte words,
+    // each by its own vectors' lanes, and fill their sectors (16-bit pieces straight to the cache
+    // touched each sector several times: 63 % of the store's global sectors were excess in its
+    // profile). The lanes of a run all hold its start.
+    uint8_t* const run = slot - ((lane / G) & (run_vectors - 1)) * kLayout.slot_size_aligned;
+    const bool whole_run = runs_of_words && slot_index >= 0 && (reinterpret_cast<uintptr_t>(run) & 7) == 0;
     if (__all_sync(device::kFullMask, whole_run)) {
-      uint8_t* staged = runs[threadIdx.x / 32] + (lane / G) * kLayout.slot_size_aligned;
+      uint8_t* staged = runs[warp] + (lane / G) * kLayout.slot_size_aligned;
       write_slot_pieces<kKeyChunk, kValueChunk, kFp8Key>(staged, part, kLayout, key_words, value_words, key_norm_bits, q);
       __syncwarp();
-      const uint2* from = reinterpret_cast<const uint2*>(runs[threadIdx.x / 32]);
-      for (int w = lane; w < kRunBytes / 8; w += 32) reinterpret_cast<uint2*>(run)[w] = from[w];
-      __syncwarp();  // the next iteration's pieces overwrite the run
+      const uint2* from = reinterpret_cast<const uint2*>(runs[warp]) + (lane / run_lanes) * run_words;
+      // A run's words over its lanes: slot_size_aligned / (8 G) each, whatever the run's length.
+      constexpr int kWordsPerLane = (kLayout.slot_size_aligned + 8 * G - 1) / (8 * G);
+#pragma unroll
+      for (int i = 0; i < kWordsPerLane; ++i) {
+        const int w = (lane & (run_lanes - 1)) + i * run_lanes;
+        if (w < run_words) reinterpret_cast<uint2*>(run)[w] = from[w];
+      }
+      __syncwarp();  // the next iteration's pieces overwrite the runs
       continue;
     }
     // Otherwise straight to the cache (every shuffle of this iteration is done: lanes with

@@ -10,7 +10,7 @@
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
 # default 2; AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
-# for AB_STORE_PRESETS, default 4bit_nc and k8v4); ab_rows times this build's per-head and row-staged decode kernels
+# for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
@@ -171,13 +171,13 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
       (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" \
         --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
-        { [ "${AB_STORE:-0}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_store.py \
-        --presets ${AB_STORE_PRESETS:-turboquant_4bit_nc turboquant_k8v4} --out "$out_abs/ab_store_$label.md"; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
+        { [ "${AB_STORE:-0}" = 0 ] || for store_args in ${AB_STORE_ARGS:---heads,8}; do timeout 150 "$PYTHON" benchmarks/bench_store.py \
+        --presets ${AB_STORE_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${store_args//,/ } --out "$out_abs/ab_store_$label.md" || exit 1; done; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
     done
   done
   [ "${AB_DECODE:-1}" = 0 ] || for label in "${labels[@]}"; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
   if [ "${AB_STORE:-0}" != 0 ]; then
-    for label in "${labels[@]}"; do echo "== ab store: $label"; grep -E "^\| (turboquant_)?(4bit_nc|k8v4|k3v4_nc|3bit_nc) \|" "$OUT/ab_store_$label.md"; done
+    for label in "${labels[@]}"; do echo "== ab store: $label"; grep -E "^Store,|^\| (turboquant_)?(4bit_nc|k8v4|k3v4_nc|3bit_nc) \|" "$OUT/ab_store_$label.md" | cut -c1-110; done
   fi
 fi
 echo "== done in $(( $(date +%s) - start )) s"

@@ -207,12 +207,13 @@ def test_store_fp8_keys_every_rounding_case_like_cpu():
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("head_dim,heads,tokens", [(128, 2, 40001), (128, 8, 10001), (64, 2, 40003)])
+@pytest.mark.parametrize("head_dim,heads,tokens", [(128, 2, 40001), (128, 8, 10001), (64, 2, 40003), (128, 6, 5001),
+                                                    (128, 1, 20001)])
 def test_store_many_loop_iterations_and_a_partial_last_warp_like_cpu(preset, head_dim, heads, tokens):
     """More vectors than one wave of CTAs holds, so every warp stages several iterations through
     its buffer and advances its (token, head) by the grid stride; with 2 heads a vector count that
     leaves the batch's last warp partly past the end (the copies' tail path), with 8 heads the
-    warps' slots written as whole runs."""
+    warps' slots written as one run each, with 2 and 6 heads as runs of 2, with 1 as single slots."""
     torch.manual_seed(tokens + heads)
     key = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
     value = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
