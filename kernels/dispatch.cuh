@@ -25,7 +25,9 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
 // A kernel's shared-memory opt-in and its resident CTAs per SM, once per device of the process:
 // the opt-in applies to the device current when it is made, so a process that launches on
 // several GPUs needs it on each. Kernel: the kernel function itself, so each instantiation keeps
-// its own table.
+// its own table; a kernel is always asked with the same threads and smem_bytes (the answer is
+// cached by kernel and device only). A failed opt-in is cached too: it is a property of the
+// device and the size, not a transient state.
 struct KernelResidency {
   cudaError_t status;  // of the opt-in
   int per_sm;          // CTAs of `threads` that fit on one SM; 0 where the opt-in failed

@@ -1,8 +1,8 @@
 // Fused store: quantizes (token, KV head) vectors and writes their packed slots, one launch for
 // the whole batch. A group of G = vector_lanes(D) lanes holds one vector, E = D / G elements per
 // lane (32 for D = 64, 128, 256; 24 for D = 96), so a warp stores 32 / G vectors at a time, every
-// reduction is log2(G) shuffles and most of the rotation's butterflies stay in registers (16
-// elements per lane, 15 shuffles per vector instead of 9, made the store 7 % slower).
+// reduction is log2(G) shuffles and most of the rotation's butterflies stay in registers (the
+// earlier split, 16 elements per lane and 15 shuffles per vector instead of 9, was 7 % slower).
 // Key: norm (group reduction), Hadamard rotation as an in-register FWHT with shuffles, then
 // normalization by one multiply per coordinate, Lloyd-Max bucketing by grid lookup (a
 // bank-replicated table), norm correction folded into the stored norm (or FP8 e4m3 by the
@@ -324,7 +324,9 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
   // the KV heads and the warp's vectors: the warp's first vector is a multiple of the warp's
   // vectors and a token's first a multiple of the heads, so a run never straddles two tokens
   // (8 heads at D = 128: the warp's 8 vectors; 4 heads: two runs of 4). Otherwise one slot. Runs
-  // of whole 8-byte words only (else the lanes write their pieces straight to the cache).
+  // of whole 8-byte words only, else the lanes write their pieces straight to the cache: slots
+  // are 4 or 6 mod 8 bytes (134 for 4bit_nc at D = 128), so runs of 1 or 2 (head-major views;
+  // 1, 2, 3 or 6 heads) take that path for every preset but FP8 keys' runs of 2.
   const int heads = p.cache.num_kv_heads;
   const int run_vectors = p.cache.stride_head == kLayout.slot_size_aligned ? std::min(kVectorsPerWarp, heads & -heads) : 1;
   const int run_words = run_vectors * kLayout.slot_size_aligned / 8;
@@ -447,7 +449,8 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
       write_slot_pieces<kKeyChunk, kValueChunk, kFp8Key>(staged, part, kLayout, key_words, value_words, key_norm_bits, q);
       __syncwarp();
       const uint2* from = reinterpret_cast<const uint2*>(runs[warp]) + (lane / run_lanes) * run_words;
-      // A run's words over its lanes: slot_size_aligned / (8 G) each, whatever the run's length.
+      // A run's words over its lanes: slot_size_aligned / (8 G) each, rounded up, whatever the
+      // run's length.
       constexpr int kWordsPerLane = (kLayout.slot_size_aligned + 8 * G - 1) / (8 * G);
 #pragma unroll
       for (int i = 0; i < kWordsPerLane; ++i) {
@@ -465,11 +468,11 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
 }
 
 // The shared memory opt-in (for Lloyd-Max keys the staging and the static tables pass the 48 KB
-// default) and the CTAs that fit on one SM, once per device.
+// default; fp32 inputs at D = 64 take about 105 KB, past the 99 KB per block of sm_86/sm_89 but
+// well inside sm_90's 227 KB) and the CTAs that fit on one SM, once per device.
 template <typename T, int D, int kKeyBits, int kValueBits>
-int store_resident_ctas() {
-  return opt_in_kernel<store_kv_kernel<T, D, kKeyBits, kValueBits>>(kStoreWarps * 32, store_dynamic_smem_bytes<T, D>())
-      .per_sm;
+KernelResidency store_residency() {
+  return opt_in_kernel<store_kv_kernel<T, D, kKeyBits, kValueBits>>(kStoreWarps * 32, store_dynamic_smem_bytes<T, D>());
 }
 
 struct StoreLaunch {
@@ -480,8 +483,10 @@ struct StoreLaunch {
   cudaError_t run() const {
     const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;
     if (vectors == 0) return cudaSuccess;
-    const int per_sm = store_resident_ctas<T, D, kKeyBits, kValueBits>();
-    if (per_sm == 0) return cudaErrorInvalidConfiguration;  // the shared memory opt-in failed
+    const KernelResidency residency = store_residency<T, D, kKeyBits, kValueBits>();
+    if (residency.status != cudaSuccess) return residency.status;  // the shared memory opt-in failed
+    if (residency.per_sm == 0) return cudaErrorInvalidConfiguration;
+    const int per_sm = residency.per_sm;
     constexpr int kVectorsPerCta = kStoreWarps * 32 / vector_lanes(D);
     const int64_t needed = (vectors + kVectorsPerCta - 1) / kVectorsPerCta;
     // One wave of CTAs; the grid-stride loop covers the rest, so each CTA builds its tables once

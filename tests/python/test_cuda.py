@@ -213,7 +213,9 @@ def test_store_many_loop_iterations_and_a_partial_last_warp_like_cpu(preset, hea
     """More vectors than one wave of CTAs holds, so every warp stages several iterations through
     its buffer and advances its (token, head) by the grid stride; with 2 heads a vector count that
     leaves the batch's last warp partly past the end (the copies' tail path), with 8 heads the
-    warps' slots written as one run each, with 2 and 6 heads as runs of 2, with 1 as single slots."""
+    warps' slots written as one run each; with 1, 2 and 6 heads runs of 1 or 2 slots, which for
+    134- and 118-byte slots are not whole 8-byte words (16-bit pieces) and for FP8 keys' 196-byte
+    slots are in runs of 2."""
     torch.manual_seed(tokens + heads)
     key = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
     value = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16)
