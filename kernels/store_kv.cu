@@ -56,7 +56,7 @@ struct InputStaging {
   static constexpr int kChunks = kRunBytes / 16;
   static constexpr int kWarpBytes = 2 * kRunBytes;  // keys, then values
   static constexpr int kLaneBytes = E * static_cast<int>(sizeof(T));
-  static_assert(kVectorBytes % 16 == 0 && kLaneBytes % 8 == 0, "16-byte copies, 8-byte reads");
+  static_assert(kVectorBytes % 16 == 0 && kLaneBytes % 16 == 0, "16-byte copies and reads");
 
   const uint8_t* source;  // keys + first * kVectorBytes + 16 * lane
   int64_t value_offset;   // values - keys, in bytes
@@ -107,18 +107,14 @@ struct InputStaging {
     __syncwarp();
   }
 
-  // This lane's E elements of its key (half 0) or value (half 1).
+  // This lane's E elements of its key (half 0) or value (half 1), in 16-byte loads (volatile:
+  // after the wait, whatever the compiler sees).
   __device__ __forceinline__ void read_words(int half, uint32_t (&w)[kLaneBytes / 4]) const {
 #pragma unroll
-    for (int j = 0; j < kLaneBytes / 8; ++j) {
-      if (kLaneBytes % 16 == 0 && j % 2 == 1) continue;
-      const uint32_t at = piece + half * kRunBytes + 8 * j;
-      uint32_t* x = w + 2 * j;
-      if (kLaneBytes % 16 == 0) {  // volatile: after the wait, whatever the compiler sees
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at));
-      } else {
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x[0]), "=r"(x[1]) : "r"(at));
-      }
+    for (int j = 0; j < kLaneBytes / 16; ++j) {
+      const uint32_t at = piece + half * kRunBytes + 16 * j;
+      uint32_t* x = w + 4 * j;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at));
     }
   }
 
@@ -485,8 +481,7 @@ struct StoreLaunch {
     if (vectors == 0) return cudaSuccess;
     const KernelResidency residency = store_residency<T, D, kKeyBits, kValueBits>();
     if (residency.status != cudaSuccess) return residency.status;  // the shared memory opt-in failed
-    if (residency.per_sm == 0) return cudaErrorInvalidConfiguration;
-    const int per_sm = residency.per_sm;
+    const int per_sm = residency.per_sm;  // >= 1 once the opt-in succeeded
     constexpr int kVectorsPerCta = kStoreWarps * 32 / vector_lanes(D);
     const int64_t needed = (vectors + kVectorsPerCta - 1) / kVectorsPerCta;
     // One wave of CTAs; the grid-stride loop covers the rest, so each CTA builds its tables once
