@@ -41,11 +41,15 @@ constexpr int kStoreCtasPerSm = 2;
 // warp's vectors [first, first + 32 / G) are one contiguous run of keys and one of values; lane l
 // copies chunks l, l + 32, ... of each, so a copy instruction covers 512 contiguous bytes (the
 // lanes' own 16-byte loads at a 32-byte stride made 45 % of the global sectors excess). The
-// buffer holds the runs as they are in memory: lane l's piece is bytes [l, l + 1) x kLaneBytes of
-// each (bank conflicts for 32- and 64-byte pieces, cheaper here than swizzling's address math: the
-// store is issue-bound). Per lane, the copy source advances by the grid stride and the shared
-// addresses stay in registers, so an iteration's copies cost about ten instructions. (Bulk copies
-// by one lane took ~50: each moves its addresses to uniform registers in an elect loop.)
+// buffer holds the runs as they are in memory but for a 16-byte pad after each lane's piece where
+// the piece is 2, 4 or 8 chunks: lane l's piece starts at l x kPieceStride. Unpadded, the
+// 8 lanes of a 16-byte load's phase would read 64-byte pieces from 2 of the 8 bank groups (4-way
+// conflicts: 16 wavefronts per load instead of 4, 96 extra per iteration at D = 128 bf16); padded
+// to 80 bytes they read 8 different groups. The pad costs no instruction: a lane's copies still go
+// to one per-lane address plus a constant stride. Per lane, the copy source advances by the grid
+// stride and the shared addresses stay in registers, so an iteration's copies cost about ten
+// instructions. (Bulk copies by one lane took ~50: each moves its addresses to uniform registers
+// in an elect loop.)
 template <typename T, int D>
 struct InputStaging {
   static constexpr int G = vector_lanes(D);
@@ -54,9 +58,18 @@ struct InputStaging {
   static constexpr int kVectorBytes = D * static_cast<int>(sizeof(T));
   static constexpr int kRunBytes = kVectors * kVectorBytes;  // a warp's keys (or values)
   static constexpr int kChunks = kRunBytes / 16;
-  static constexpr int kWarpBytes = 2 * kRunBytes;  // keys, then values
   static constexpr int kLaneBytes = E * static_cast<int>(sizeof(T));
+  static constexpr int kPieceChunks = kLaneBytes / 16;  // 16-byte chunks of a lane's piece
+  // Padded where a piece is 2, 4 or 8 chunks (6, fp32 at D = 96, keeps 2-way conflicts).
+  static constexpr int kPadChunks = kPieceChunks == 2 || kPieceChunks == 4 || kPieceChunks == 8;
+  static constexpr int kPieceStride = kLaneBytes + 16 * kPadChunks;  // bytes from a lane's piece to the next
+  static constexpr int kStagedRunBytes = 32 * kPieceStride;          // a warp's keys (or values) in the buffer
+  static constexpr int kWarpBytes = 2 * kStagedRunBytes;             // keys, then values
+  // Chunk c of a run sits at chunk c + (c / kPieceChunks) x kPadChunks of the buffer: lane l's
+  // copies (chunks l + 32 j) at copy_to + j x kCopyStride.
+  static constexpr int kCopyStride = 16 * (32 + (kPadChunks ? 32 / kPieceChunks : 0));
   static_assert(kVectorBytes % 16 == 0 && kLaneBytes % 16 == 0, "16-byte copies and reads");
+  static_assert(kRunBytes == 32 * kLaneBytes && (kPadChunks == 0 || 32 % kPieceChunks == 0), "one piece per lane");
 
   const uint8_t* source;  // keys + first * kVectorBytes + 16 * lane
   int64_t value_offset;   // values - keys, in bytes
@@ -66,8 +79,8 @@ struct InputStaging {
   __device__ __forceinline__ InputStaging(const void* keys, const void* values, uint32_t buffer, int64_t first, int lane)
       : source(static_cast<const uint8_t*>(keys) + first * kVectorBytes + 16 * lane),
         value_offset(static_cast<const uint8_t*>(values) - static_cast<const uint8_t*>(keys)),
-        copy_to(device::opaque(buffer + 16 * lane)),
-        piece(device::opaque(buffer + kLaneBytes * lane)) {}
+        copy_to(device::opaque(buffer + 16 * (lane + (kPadChunks ? lane / kPieceChunks : 0)))),
+        piece(device::opaque(buffer + kPieceStride * lane)) {}
 
   // Copies the keys and values of the warp's vectors [first, first + kVectors) (the source's
   // current position); vectors past the batch copy the last vector again (nothing is written for
@@ -77,7 +90,7 @@ struct InputStaging {
 #pragma unroll
       for (int j = 0; j < (kChunks + 31) / 32; ++j) {
         if (kChunks % 32 != 0 && lane + 32 * j >= kChunks) break;
-        copy(copy_to + 512 * j, source + 512 * j);
+        copy(copy_to + kCopyStride * j, source + 512 * j);
       }
     } else {  // the batch's last warp, once
       const uint8_t* const run = source - 16 * lane;
@@ -87,7 +100,7 @@ struct InputStaging {
         if (kChunks % 32 != 0 && chunk >= kChunks) break;
         const int v = chunk * 16 / kVectorBytes;
         const int64_t past = first + v - (vectors - 1);  // > 0: that many vectors past the last one
-        copy(copy_to + 512 * j, run + 16 * chunk - (past > 0 ? past * kVectorBytes : 0));
+        copy(copy_to + kCopyStride * j, run + 16 * chunk - (past > 0 ? past * kVectorBytes : 0));
       }
     }
     device::cp_async_commit();
@@ -96,7 +109,7 @@ struct InputStaging {
   // One 16-byte chunk of keys at `from` to `to`, and the values' chunk at the same offsets.
   __device__ __forceinline__ void copy(uint32_t to, const uint8_t* from) const {
     device::cp_async_16(to, from);
-    device::cp_async_16(to + kRunBytes, from + value_offset);
+    device::cp_async_16(to + kStagedRunBytes, from + value_offset);
   }
 
   __device__ __forceinline__ void advance(int64_t step) { source += step * kVectorBytes; }
@@ -112,7 +125,7 @@ struct InputStaging {
   __device__ __forceinline__ void read_words(int half, uint32_t (&w)[kLaneBytes / 4]) const {
 #pragma unroll
     for (int j = 0; j < kLaneBytes / 16; ++j) {
-      const uint32_t at = piece + half * kRunBytes + 16 * j;
+      const uint32_t at = piece + half * kStagedRunBytes + 16 * j;
       uint32_t* x = w + 4 * j;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at));
     }
