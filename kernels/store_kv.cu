@@ -477,8 +477,9 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
 }
 
 // The shared memory opt-in (for Lloyd-Max keys the staging and the static tables pass the 48 KB
-// default; fp32 inputs at D = 64 take about 105 KB, past the 99 KB per block of sm_86/sm_89 but
-// well inside sm_90's 227 KB) and the CTAs that fit on one SM, once per device.
+// default; fp32 inputs at D = 64 take about 113 KB, past the 99 KB per block of sm_86/sm_89 but
+// inside sm_90's 227 KB, and two such CTAs fill an SM's 228 KB to within 256 bytes) and the CTAs
+// that fit on one SM, once per device.
 template <typename T, int D, int kKeyBits, int kValueBits>
 KernelResidency store_residency() {
   return opt_in_kernel<store_kv_kernel<T, D, kKeyBits, kValueBits>>(kStoreWarps * 32, store_dynamic_smem_bytes<T, D>());
