@@ -110,9 +110,10 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
 
 // Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the FWHT for
 // Lloyd-Max keys (the butterflies of fwht_inplace), plus the codebook's pair
-// table replicated once per bank (word pair * 32 + lane) for Lloyd-Max keys of kKeyBits bits.
+// table replicated once per bank (word pair * kPairStrideWords + lane) for Lloyd-Max keys of
+// kKeyBits bits (a stride of 64 words: see pair_entry in decode_tile.cuh).
 // Every thread of the CTA calls it; qs and the table are visible to all when it returns.
-template <int D, int kColumns, bool kLloydMax, int kKeyBits, typename T>
+template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
                                                     const QueryColumns& columns, const Codebook& codebook) {
   // Warp w loads columns w, w + 8, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
@@ -163,7 +164,8 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     for (int i = threadIdx.x; i < kQuads; i += kDecodeThreads) {
       const uint32_t pair = static_cast<uint32_t>(i) >> 3;  // words 4i .. 4i + 3: replicas of one pair
       const uint32_t w = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
-      reinterpret_cast<uint4*>(pair_table)[i] = make_uint4(w, w, w, w);
+      const int at = kPairStrideWords == 32 ? i : static_cast<int>(pair) * (kPairStrideWords / 4) + (i & 7);
+      reinterpret_cast<uint4*>(pair_table)[at] = make_uint4(w, w, w, w);
     }
   }
   __syncthreads();

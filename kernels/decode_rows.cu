@@ -39,7 +39,11 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes;
   static constexpr int kRowBytes = kRowHeads * kSlotBytes;  // slots are even: a multiple of 16
   static constexpr int kTileBytes = kTokenTile * kRowBytes;
-  static constexpr int kStages = 4;  // tiles in flight + the one being read
+  // 4-bit keys: the pair table at 64 words per pair, so a lookup's address is one PRMT
+  // (pair_entry): 32 instructions fewer per tile, for 64 KB of table instead of 32. Two CTAs per
+  // SM then leave room for 2 stages only (3 would need 2 x 118.8 KB).
+  static constexpr int kPairStrideWords = !kFp8Key && KB == 4 ? 64 : 32;
+  static constexpr int kStages = kPairStrideWords == 64 ? 2 : 4;  // tiles in flight + the one being read
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
   // Shared memory: [ring (+16: the tile math reads a word past a slot) | query columns, aliased
@@ -52,7 +56,7 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kQueryOffset = kScratchBytes - kQueryBytes;
   static constexpr int kEarlyTiles =
       kQueryOffset / kTileBytes < kStages - 1 ? kQueryOffset / kTileBytes : kStages - 1;
-  static constexpr int kPairTableWords = TileFragments<Slot>::kPairTableWords;
+  static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * kPairStrideWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
   // that also publishes the mbarriers.
   float* qs = reinterpret_cast<float*>(ring + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
-  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
+  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, static_cast<const T*>(p.query), columns,
                                                           p.codebook);
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
@@ -165,7 +169,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
     for (int t = C::kEarlyTiles; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
   }
 
-  const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
+  // This lane's table replica: its address, or with 64 words per pair its byte offset in a pair's
+  // row, the table's address then a uniform base the loads add.
+  const uint32_t table_lane = C::kPairStrideWords == 64 ? opaque(4u * static_cast<uint32_t>(lane))
+                                                         : device::pair_table_lane_address(pair_table, lane);
+  const uint32_t table_base = smem_address(pair_table);
   TileAttention<C::kKSteps> st;
   const uint8_t* const my_slots = ring + warp * C::kSlotBytes;  // this warp's head in every row
   // The tile loop for slots at kMisalign mod 4 (one instantiation per offset a warp can have).
@@ -185,8 +193,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
       auto slot_ptr = [&](int r) { return rows + r * C::kRowBytes; };
       const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
       const int pos_lo = tile_start(it) + g;
-      attend_tile<C, kMisalign>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
-                                limit0, limit1, table_lane, qf, st);
+      attend_tile<C, kMisalign, C::kPairStrideWords>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end,
+                                                     tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane, qf,
+                                                     st, table_base);
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);
     }

@@ -87,9 +87,16 @@ __device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
 
 // The half2 pair-table entry for the pair of key codes at `bit` of w. For 4-bit keys a pair is a
 // byte: one PRMT isolates it and one IMAD scales and adds it (2 ALU ops); other widths shift and mask.
-template <int KB, int NW>
-__device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t table_lane) {
-  if constexpr (KB == 4) {
+// With a table of 64 words per pair (kPairStrideWords = 64, twice the size) one PRMT builds the
+// whole offset, (pair << 8) | (lane * 4), from the key word and lane_bytes (lane * 4), and the
+// load adds the table's uniform base itself: 1 ALU op.
+template <int KB, int kPairStrideWords = 32, int NW>
+__device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t table_lane,
+                                               uint32_t table_base = 0) {
+  if constexpr (KB == 4 && kPairStrideWords == 64) {
+    const uint32_t selector = 0x5504u | (static_cast<uint32_t>((bit >> 3) & 3) << 4);
+    return load_shared_word(table_base + __byte_perm(w[bit >> 5], table_lane, selector));
+  } else if constexpr (KB == 4) {
     const uint32_t pair = __byte_perm(w[bit >> 5], 0u, 0x4440u | static_cast<uint32_t>((bit >> 3) & 3));
     return load_shared_word(table_lane + (pair << 7));
   } else {
@@ -101,15 +108,16 @@ __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit,
 // past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
 // picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the
 // tile are at positions pos_lo and pos_lo + 8 and count when valid_lo / valid_hi and below the
-// column's limit (limit0, limit1: columns 2c, 2c + 1); table_lane is pair_table_lane_address;
+// column's limit (limit0, limit1: columns 2c, 2c + 1); table_lane is pair_table_lane_address
+// (kPairStrideWords = 64: lane * 4, and table_base the table's shared address);
 // lane is the caller's lane index, kept in a register (derived from the thread index here, it is
 // recomputed in every tile). Masked tokens get -inf by selection, so garbage in their bytes
 // cannot leak in.
-template <class S, int kSlotMisalign = kUnknownMisalign, class SlotPtr>
+template <class S, int kSlotMisalign = kUnknownMisalign, int kPairStrideWords = 32, class SlotPtr>
 __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, int pos_lo, bool valid_lo,
                                             bool valid_hi, int limit0, int limit1, uint32_t table_lane,
                                             const uint32_t (&qf)[S::D / 16][2],
-                                            TileAttention<TileFragments<S>::kKSteps>& st) {
+                                            TileAttention<TileFragments<S>::kKSteps>& st, uint32_t table_base = 0) {
   using F = TileFragments<S>;
   constexpr SlotLayout kLayout = S::kLayout;
   const int g = lane >> 2, c = lane & 3;
@@ -129,7 +137,9 @@ __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, i
   }
   // Two accumulators halve the chain of dependent MMAs.
   float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) { return pair_entry<S::KB>(w, bit, table_lane); };
+  auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) {
+    return pair_entry<S::KB, kPairStrideWords>(w, bit, table_lane, table_base);
+  };
 #pragma unroll
   for (int j = 0; j < F::kKSteps; ++j) {
     uint32_t a0, a1, a2, a3;
