@@ -112,17 +112,19 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
 // Lloyd-Max keys (the butterflies of fwht_inplace), plus the codebook's pair
 // table replicated once per bank (word pair * kPairStrideWords + lane) for Lloyd-Max keys of
 // kKeyBits bits (a stride of 64 words: see pair_entry in decode_tile.cuh).
-// Every thread of the CTA calls it; qs and the table are visible to all when it returns.
-template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, typename T>
+// Every thread of the CTA (kThreads) calls it; qs and the table are visible to all when it returns.
+template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
+          typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
                                                     const QueryColumns& columns, const Codebook& codebook) {
-  // Warp w loads columns w, w + 8, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
+  // Warp w loads columns w, w + kWarps, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
   // issued before any is used: one global round trip per batch instead of one per element group
   // (the loop that guarded each load by its column compiled to serialized loads: 4 round trips per
   // decode CTA, 32 per chunked CTA). Batches of 4 keep the chunked kernel's loop free of spills.
   // Unused columns read row 0 (a launch with no query rows returns before this) and store zeros.
-  static_assert(kColumns % kDecodeWarps == 0 && D % 32 == 0, "query staging layout");
-  constexpr int kColumnsPerWarp = kColumns / kDecodeWarps, kPerLane = D / 32;
+  constexpr int kWarps = kThreads / 32;  // of the CTA (kDecodeWarps, or more in the row kernel)
+  static_assert(kColumns % kWarps == 0 && D % 32 == 0, "query staging layout");
+  constexpr int kColumnsPerWarp = kColumns / kWarps, kPerLane = D / 32;
   constexpr int kBatch = kColumnsPerWarp < 4 ? kColumnsPerWarp : 4;
   static_assert(kColumnsPerWarp % kBatch == 0, "whole batches");
   // The FWHT: in registers by each column's warp for the chunked kernel (64 columns: 7 barrier
@@ -136,14 +138,14 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     T raw[kBatch][kPerLane];
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
-      const int j = warp + (c0 + c) * kDecodeWarps;
+      const int j = warp + (c0 + c) * kWarps;
       const int64_t base = j < columns.count() ? columns.row(j) * D : 0;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) raw[c][e] = query[base + lane + 32 * e];
     }
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
-      const int j = warp + (c0 + c) * kDecodeWarps;
+      const int j = warp + (c0 + c) * kWarps;
       float x[kPerLane];
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) x[e] = j < columns.count() ? to_float(raw[c][e]) : 0.0f;
@@ -159,9 +161,9 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     // 4-bit keys instead of 32 single-word ones, a quarter of the centroid reads.
     constexpr uint32_t mask = (1u << kKeyBits) - 1u;
     constexpr int kQuads = (1 << (2 * kKeyBits)) * 32 / 4;
-    static_assert(kQuads % kDecodeThreads == 0, "whole rounds of quads");
+    static_assert(kQuads % kThreads == 0, "whole rounds of quads");
 #pragma unroll 2
-    for (int i = threadIdx.x; i < kQuads; i += kDecodeThreads) {
+    for (int i = threadIdx.x; i < kQuads; i += kThreads) {
       const uint32_t pair = static_cast<uint32_t>(i) >> 3;  // words 4i .. 4i + 3: replicas of one pair
       const uint32_t w = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
       const int at = kPairStrideWords == 32 ? i : static_cast<int>(pair) * (kPairStrideWords / 4) + (i & 7);
@@ -173,7 +175,7 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     // Unused columns are zeros and stay zeros: rotate the used ones only (a decode at GQA 4 uses 4 of 8).
     const int used = columns.count() < kColumns ? columns.count() : kColumns;
     for (int h = 1; h < D; h <<= 1) {
-      for (int t = threadIdx.x; t < used * (D / 2); t += kDecodeThreads) {
+      for (int t = threadIdx.x; t < used * (D / 2); t += kThreads) {
         const int row = t / (D / 2), k = t % (D / 2);
         const int j = (k / h) * 2 * h + (k % h);
         float* q_row = qs + row * D;

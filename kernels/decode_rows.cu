@@ -1,4 +1,6 @@
-// Row-staged decode: one CTA per (sequence, 8 consecutive KV heads, split), one warp per KV head.
+// Row-staged decode: one CTA per (sequence, 8 consecutive KV heads, split), one warp per KV head;
+// for 4-bit keys one CTA of 16 warps per (sequence, 8 KV heads, two splits), a half per split
+// sharing the pair table and the staged queries (RowConfig).
 //
 // The per-head decode (decode.cu) stages each KV head's 2-byte-aligned slots through 32-byte
 // windows with 16-byte cp.async copies: the L2 sees every slot rounded out to whole sectors, the
@@ -17,6 +19,7 @@
 // faster at the bandwidth-bound shapes (k8v4 at 85-88 % of copy bandwidth).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -40,44 +43,60 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kRowBytes = kRowHeads * kSlotBytes;  // slots are even: a multiple of 16
   static constexpr int kTileBytes = kTokenTile * kRowBytes;
   // 4-bit keys: the pair table at 64 words per pair, so a lookup's address is one PRMT
-  // (pair_entry): 32 instructions fewer per tile, for 64 KB of table instead of 32. Two CTAs per
-  // SM then leave room for 2 stages only (3 would need 2 x 118.8 KB).
+  // (pair_entry): 32 instructions fewer per tile, for 64 KB of table instead of 32. Two CTAs of
+  // 8 warps would then leave room for 2 ring stages only (3 need 2 x 118.8 KB), so one CTA of 16
+  // warps per SM serves two splits of the same (sequence, 8 KV heads), a half of 8 warps each:
+  // the halves share the table and the staged queries, and each has its own 3-stage ring.
   static constexpr int kPairStrideWords = !kFp8Key && KB == 4 ? 64 : 32;
-  static constexpr int kStages = kPairStrideWords == 64 ? 2 : 4;  // tiles in flight + the one being read
+  static constexpr int kSplitsPerCta = kPairStrideWords == 64 ? 2 : 1;
+  static constexpr int kWarps = kSplitsPerCta * kRowHeads;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kCtasPerSm = 2 / kSplitsPerCta;  // the launch bound: 128 registers per thread
+  static constexpr int kStages = kSplitsPerCta == 2 ? 3 : 4;  // per half: tiles in flight + the one being read
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
-  // Shared memory: [ring (+16: the tile math reads a word past a slot) | query columns, aliased
-  // by the ring] [pair table] [full and empty barriers].
-  static constexpr int kRingBytes = kStages * kTileBytes + 16;
+  // Shared memory: [ring: one per half (+16: the tile math reads a word past a slot) | query
+  // columns, aliased by the rings | the results on the way out, aliased too] [pair table] [full
+  // and empty barriers, per half].
+  static constexpr int kHalfRingBytes = kStages * kTileBytes;
+  static constexpr int kRingBytes = kSplitsPerCta * kHalfRingBytes + 16;
   static constexpr int kQueryBytes = kColumns * D * 4;
-  static constexpr int kScratchBytes = cdiv(kRingBytes > kQueryBytes ? kRingBytes : kQueryBytes, 128) * 128;
+  static constexpr int kOutBytes = kWarps * kDecodeColumns * D * 4;
+  static constexpr int kScratchBytes = cdiv(std::max(kRingBytes, std::max(kQueryBytes, kOutBytes)), 128) * 128;
   // The query columns sit at the scratch region's end, so the stages below them can take their
-  // tiles while the queries are staged: tiles 0 .. kEarlyTiles - 1 are issued first thing.
+  // tiles while the queries are staged: tiles 0 .. early_tiles(half) - 1 are issued first thing.
   static constexpr int kQueryOffset = kScratchBytes - kQueryBytes;
-  static constexpr int kEarlyTiles =
-      kQueryOffset / kTileBytes < kStages - 1 ? kQueryOffset / kTileBytes : kStages - 1;
+  static constexpr int early_tiles(int half) {
+    const int below = kQueryOffset - half * kHalfRingBytes;  // bytes of the half's ring below qs
+    const int tiles = below > 0 ? below / kTileBytes : 0;
+    return tiles < kStages - 1 ? tiles : kStages - 1;
+  }
   static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * kPairStrideWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
-  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kBarrierOffset + kSplitsPerCta * 2 * kStages * 8;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(D <= 128 && D % 64 == 0, "head dims of the row-staged kernel");
 };
 
 template <class C, typename T>
-__global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const DecodeParams p, const float q_multiplier,
-                                                                        const bool adjacent_rows) {
+__global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel(const DecodeParams p,
+                                                                                  const float q_multiplier,
+                                                                                  const bool adjacent_rows) {
   using namespace device;
   constexpr int D = C::D;
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* const ring = smem;
   uint32_t* const pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
-  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOffset);  // a stage's bytes landed
-  uint64_t* const empty = full + C::kStages;                                     // every warp is done with it
 
   // Lane indices in registers (opaque): derived from the thread index they are recomputed per tile.
-  const int lane = opaque<int>(threadIdx.x & 31), warp = opaque<int>(threadIdx.x >> 5);
+  const int lane = opaque<int>(threadIdx.x & 31), warp_of_cta = opaque<int>(threadIdx.x >> 5);
   const int g = opaque(lane >> 2), c = opaque(lane & 3);
-  const int head_group = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  // The CTA's half (its split) and the warp's KV head within the CTA's 8: `warp` below.
+  const int half = warp_of_cta / kRowHeads, warp = warp_of_cta % kRowHeads;
+  uint8_t* const ring = smem + half * C::kHalfRingBytes;  // this half's ring
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOffset) + half * 2 * C::kStages;  // a stage's bytes landed
+  uint64_t* const empty = full + C::kStages;  // every warp of the half is done with it
+  const int head_group = blockIdx.x, split = blockIdx.y * C::kSplitsPerCta + half, b = blockIdx.z;
+  const bool has_split = split < p.num_splits;  // the last CTA's second half may have none
   const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (decode_rows_supports)
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
@@ -88,17 +107,17 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
                              p.num_q_heads};
   const int first_column = warp * group;
   const int limit0 = 2 * c < group ? seq_len : 0, limit1 = 2 * c + 1 < group ? seq_len : 0;
-  const TokenRange range = split_token_range(seq_len, p.num_splits, split);
+  const TokenRange range = has_split ? split_token_range(seq_len, p.num_splits, split) : TokenRange{0, 0};
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
 
-  if (threadIdx.x == 0) {
+  if (warp == 0 && lane == 0) {  // each half's producer sets up its half's barriers
     for (int s = 0; s < C::kStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], kDecodeWarps);
+      mbarrier_init(&empty[s], kRowHeads);
     }
     fence_mbarrier_init();
   }
-  __syncwarp();  // warp 0's lanes copy on these barriers next; the other warps see them after the query staging's barrier
+  __syncwarp();  // the producer's lanes copy on these barriers next; the other warps see them after the query staging's barrier
   // Block ids, 32 tiles per window: lane i holds the id of tile 32 * window + i (-1 past the
   // range). Every warp keeps the current window and the next, so neither the producer (up to
   // kStages - 1 tiles ahead, never more than one window) nor a consumer waits on the block table.
@@ -112,7 +131,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   int ids = load_block_ids(0), next_ids = load_block_ids(1);
   auto block_ok = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
 
-  // Warp 0 issues tile t into stage t % kStages once every warp has freed it (tile t - kStages).
+  // Warp 0 of the half issues tile t into stage t % kStages once every warp of the half has freed
+  // it (tile t - kStages).
   // The expected bytes are announced before any copy is issued; a tile whose block id is outside
   // the cache copies nothing and completes its phase on the arrival alone (its rows are masked).
   const int64_t head_group_offset = static_cast<int64_t>(head_group) * C::kRowBytes;
@@ -142,14 +162,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // The first tiles' copies go out before the query staging, into stages clear of qs: their
   // memory latency overlaps the query loads, the rotation and the pair table.
   if (warp == 0) {
-    for (int t = 0; t < C::kEarlyTiles && t < num_tiles; ++t) produce(t, ids);
+    for (int t = 0; t < C::early_tiles(half) && t < num_tiles; ++t) produce(t, ids);
   }
 
   // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
   // that also publishes the mbarriers.
-  float* qs = reinterpret_cast<float*>(ring + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
-  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, static_cast<const T*>(p.query), columns,
-                                                          p.codebook);
+  float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
+  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB, C::kPairStrideWords, C::kThreads>(
+      qs, pair_table, static_cast<const T*>(p.query), columns, p.codebook);
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
   const int slot_misalign = (warp * C::kSlotBytes) & 3;
@@ -166,7 +186,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   fence_proxy_async_shared();
   __syncthreads();
   if (warp == 0) {
-    for (int t = C::kEarlyTiles; t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
+    for (int t = C::early_tiles(half); t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
   }
 
   // This lane's table replica: its address, or with 64 words per pair its byte offset in a pair's
@@ -180,7 +200,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   auto tile_loop = [&](auto misalign) {
     constexpr int kMisalign = decltype(misalign)::value;
     for (int it = 0; it < num_tiles; ++it) {
-      if ((it & 31) == 0 && it > 0) {  // CTA-uniform: the next window of block ids
+      if ((it & 31) == 0 && it > 0) {  // uniform in the half: the next window of block ids
         ids = next_ids;
         next_ids = load_block_ids((it >> 5) + 1);
       }
@@ -215,12 +235,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
   // rows: straight from the MMA layout a lane's two dims sit 32 bytes from the next lane's, so the
   // L2 took each 32-byte sector of the partials four times (ncu, (16,64,8,16384) 4bit_nc: 969 k
   // sectors written for 8.4 MB of partials, all at the end of the one wave of CTAs). After the
-  // barrier every warp is past its last tile and no bulk copy is in flight: the ring is free.
+  // barrier every warp is past its last tile and no bulk copy is in flight: the rings are free.
   sum_over_column_lanes(st.l);
   sum_over_column_lanes(st.z);
   __syncthreads();
-  static_assert(kDecodeWarps * kDecodeColumns * D * 4 <= C::kScratchBytes, "a warp's columns fit the scratch region");
-  float* const staged = reinterpret_cast<float*>(ring) + warp * kDecodeColumns * D;  // [column][D]
+  if (!has_split) return;  // no CTA-wide barrier follows
+  static_assert(C::kOutBytes <= C::kScratchBytes, "every warp's columns fit the scratch region");
+  float* const staged = reinterpret_cast<float*>(smem) + warp_of_cta * kDecodeColumns * D;  // [column][D]
   // The 16-byte chunks of column col sit XOR-swizzled by swizzle(col): rows are a multiple of 32
   // words apart, and a store instruction's lanes (4 columns, 8 dims pairs) would otherwise meet in
   // 2 or 4 of the 8 bank groups (8-16 wavefronts for 2 ideal); swizzled, 4-8. The row reads
@@ -263,7 +284,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_rows_kernel(const De
 // Once per instantiation and device: the shared memory opt-in and the resident CTAs.
 template <class C, typename T>
 KernelResidency prepare_rows_kernel() {
-  return opt_in_kernel<decode_rows_kernel<C, T>>(kDecodeThreads, C::kSmemBytes);
+  return opt_in_kernel<decode_rows_kernel<C, T>>(C::kThreads, C::kSmemBytes);
 }
 
 // Whether the build holds sm_90 code for the kernel (its bulk copies and barriers compile to
@@ -289,12 +310,13 @@ struct RowsBuilt {
   }
 };
 
+// Splits resident per SM (the split plan's unit): CTAs times the splits each serves.
 struct RowsResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
     const int n = prepare_rows_kernel<C, T>().per_sm;
-    *per_sm = n > 0 ? n : 1;
+    *per_sm = n > 0 ? n * C::kSplitsPerCta : 1;
     return cudaSuccess;
   }
 };
@@ -308,8 +330,8 @@ struct LaunchRows {
     if (err != cudaSuccess) return err;
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;
-    const dim3 grid(p.cache.num_kv_heads / kRowHeads, p.num_splits, p.batch);
-    decode_rows_kernel<C, T><<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
+    const dim3 grid(p.cache.num_kv_heads / kRowHeads, cdiv(p.num_splits, C::kSplitsPerCta), p.batch);
+    decode_rows_kernel<C, T><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
     err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
     return launch_decode_merge(p, stream);
