@@ -370,8 +370,11 @@ int decode_default_num_splits(const DecodeParams& p) {
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
     splits = default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2);
   } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
-    splits = decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
-                               decode_rows_resident_ctas(p), 1);
+    // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, each
+    // pair at least 2 x 256 tokens, so no CTA has an idle half and one wave stays one wave.
+    const int per_cta = decode_rows_splits_per_cta(p);
+    splits = per_cta * decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context / per_cta,
+                                         device_sm_count(), decode_rows_resident_ctas(p) / per_cta, 1);
   } else {
     int per_sm = 1;
     visit_decode_config(p, ResidentCtas{&per_sm});

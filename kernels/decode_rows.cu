@@ -44,9 +44,10 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kTileBytes = kTokenTile * kRowBytes;
   // 4-bit keys: the pair table at 64 words per pair, so a lookup's address is one PRMT
   // (pair_entry): 32 instructions fewer per tile, for 64 KB of table instead of 32. Two CTAs of
-  // 8 warps would then leave room for 2 ring stages only (3 need 2 x 118.8 KB), so one CTA of 16
-  // warps per SM serves two splits of the same (sequence, 8 KV heads), a half of 8 warps each:
-  // the halves share the table and the staged queries, and each has its own 3-stage ring.
+  // 8 warps would then leave room for 2 ring stages only (3 need 2 x (117,168 + 1,024 reserved)
+  // bytes, past the SM's 233,472), so one CTA of 16 warps per SM serves two splits of the same
+  // (sequence, 8 KV heads), a half of 8 warps each: the halves share the table and the staged
+  // queries, and each has its own 3-stage ring (168,672 bytes at D = 128).
   static constexpr int kPairStrideWords = !kFp8Key && KB == 4 ? 64 : 32;
   static constexpr int kSplitsPerCta = kPairStrideWords == 64 ? 2 : 1;
   static constexpr int kWarps = kSplitsPerCta * kRowHeads;
@@ -310,6 +311,15 @@ struct RowsBuilt {
   }
 };
 
+struct RowsSplitsPerCta {
+  int* splits;
+  template <class C, typename T>
+  cudaError_t run() const {
+    *splits = C::kSplitsPerCta;
+    return cudaSuccess;
+  }
+};
+
 // Splits resident per SM (the split plan's unit): CTAs times the splits each serves.
 struct RowsResidentCtas {
   int* per_sm;
@@ -398,6 +408,12 @@ int decode_rows_resident_ctas(const DecodeParams& p) {
   int per_sm = 1;
   visit_rows_config(p, RowsResidentCtas{&per_sm});
   return per_sm;
+}
+
+int decode_rows_splits_per_cta(const DecodeParams& p) {
+  int splits = 1;
+  visit_rows_config(p, RowsSplitsPerCta{&splits});
+  return splits;
 }
 
 cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream) {
