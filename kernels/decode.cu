@@ -370,11 +370,15 @@ int decode_default_num_splits(const DecodeParams& p) {
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
     splits = default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2);
   } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
-    // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, each
-    // pair at least 2 x 256 tokens, so no CTA has an idle half and one wave stays one wave.
+    // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, so no
+    // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
+    // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128: with
+    // 256 per half, B = 1 at L = 32k filled 64 SMs with 128 splits and took 31 us where one split
+    // per CTA on 128 SMs took 27.5 (H200, session 15). At most 128 CTAs, as other plans' 128 splits.
     const int per_cta = decode_rows_splits_per_cta(p);
-    splits = per_cta * decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context / per_cta,
+    splits = per_cta * decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context,
                                          device_sm_count(), decode_rows_resident_ctas(p) / per_cta, 1);
+    return std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
   } else {
     int per_sm = 1;
     visit_decode_config(p, ResidentCtas{&per_sm});
