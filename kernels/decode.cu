@@ -372,9 +372,10 @@ int decode_default_num_splits(const DecodeParams& p) {
   } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
     // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, so no
     // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
-    // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128: with
-    // 256 per half, B = 1 at L = 32k filled 64 SMs with 128 splits and took 31 us where one split
-    // per CTA on 128 SMs took 27.5 (H200, session 15). At most 128 CTAs, as other plans' 128 splits.
+    // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128. Known
+    // cost (H200, session 15): B = 1 at L = 32k takes 31.3-31.8 us in 128 paired CTAs (30.8-31.0
+    // with 256-token halves in 64) where the earlier one-split CTAs took 27.5; the shapes of 8 and
+    // more sequences gained 2-9 %. At most 128 CTAs, as other plans' 128 splits.
     const int per_cta = decode_rows_splits_per_cta(p);
     splits = per_cta * decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context,
                                          device_sm_count(), decode_rows_resident_ctas(p) / per_cta, 1);
