@@ -3,10 +3,13 @@ step, for bench_decode's A/B shapes at the library's split count and at fixed on
 
     python benchmarks/decode_breakdown.py [--preset turboquant_4bit_nc] [--shapes ab] [--out results.md]
 
-Per shape and split count (0 = the library's choice, which the table cannot name): graph-replay µs of one step (as bench_decode times it), then from a
-torch.profiler trace of eager steps the decode kernel's own duration and the merge's tail (merge
+Per shape and split count (0 = the library's choice, which the table cannot name): µs of one
+step under graph replay (as bench_decode times it) and eager, then from torch.profiler traces of
+eager steps and of graph replays the decode kernel's own duration and the merge's tail (merge
 end - decode end: the merge kernel starts early under programmatic dependent launch, so its own
-duration includes waiting). Shapes with the same bytes (e.g. (32,32,8,8192) and
+duration includes waiting). (16,64,8,16384) took 108 µs under graph replay and 97 eager in session
+15 while the other shapes agreed within 3 µs: the two traces say whether a kernel or the gaps
+between them differ. Shapes with the same bytes (e.g. (32,32,8,8192) and
 (16,64,8,16384), 281 MB each at 4bit_nc) that differ in step time show here whether the
 difference is in the main loop or in the partials and their merge. --placement adds the same
 step on caches built before and after bench_decode's SDPA baseline (see placement()).
@@ -25,12 +28,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
 from bench_decode import HEAD_DIM, SHAPES, build_cache, sdpa_best_us  # noqa: E402
-from timing import append_markdown, graph_replay_us  # noqa: E402
+from timing import append_markdown, graph_replay_us, graph_replays, time_us  # noqa: E402
 
 
 def kernel_spans(step, steps: int):
-    """(decode µs, merge tail µs) medians over `steps` eager steps, from the profiler's kernel
-    events in launch order: a decode kernel, then the merge kernel when the step has one."""
+    """(decode µs, merge tail µs) medians over `steps` steps (eager calls or graph replays), from
+    the profiler's kernel events in launch order: a decode kernel, then the merge kernel when the
+    step has one. NaN where the trace holds no decode kernel (a profiler that does not see the
+    kernels of graphs)."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         step()
@@ -48,6 +53,8 @@ def kernel_spans(step, steps: int):
         decode.append(e.time_range.end - e.time_range.start)
         nxt = kernels[i + 1] if i + 1 < len(kernels) else None
         tail.append(nxt.time_range.end - e.time_range.end if nxt is not None and "merge" in nxt.name else 0.0)
+    if not decode:
+        return float("nan"), float("nan")
     return statistics.median(decode), statistics.median(tail)
 
 
@@ -90,9 +97,10 @@ def main():
     p.add_argument("--placement", action="store_true", help="also the placement table (see placement())")
     p.add_argument("--out", help="markdown file to append the table to")
     a = p.parse_args()
-    lines = [f"Decode breakdown, {a.preset} ({torch.cuda.get_device_name()}): graph-replay step, decode kernel and "
-             "merge tail (profiler, eager steps), µs", "",
-             "| B | Hq | Hkv | L | splits | step (graph) | decode kernel | merge tail |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"Decode breakdown, {a.preset} ({torch.cuda.get_device_name()}): one step under graph replay and eager, "
+             "the decode kernel and the merge tail (profiler traces of eager steps and of graph replays), µs", "",
+             "| B | Hq | Hkv | L | splits | step (graph) | step (eager) | decode kernel (eager) | merge tail (eager) "
+             "| decode kernel (graph) | merge tail (graph) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for b, hq, hkv, length in SHAPES[a.shapes]:
         cache, block_table = build_cache(a.preset, b, hkv, length)
@@ -102,8 +110,11 @@ def main():
             def step(splits=splits):
                 return tq.decode(q, cache, block_table, seq_lens, a.preset, HEAD_DIM ** -0.5, splits)
             graph = graph_replay_us(step)
+            eager = time_us([step])
             decode, tail = kernel_spans(step, a.steps)
-            line = f"| {b} | {hq} | {hkv} | {length} | {splits or 'default'} | {graph:.1f} | {decode:.1f} | {tail:.1f} |"
+            graph_decode, graph_tail = kernel_spans(graph_replays([step])[0], a.steps)
+            line = (f"| {b} | {hq} | {hkv} | {length} | {splits or 'default'} | {graph:.1f} | {eager:.1f} | {decode:.1f} "
+                    f"| {tail:.1f} | {graph_decode:.1f} | {graph_tail:.1f} |")
             lines.append(line)
             print(line, flush=True)
     if a.placement:

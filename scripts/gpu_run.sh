@@ -11,7 +11,8 @@
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
 # default 2; AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
-# (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; COMMIT=<hash>
+# (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; BREAKDOWN_ARGS
+# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -102,7 +103,7 @@ if has bench; then
   echo; cat "$OUT/results.md"
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
-  echo "== decode breakdown"; PYTHONPATH=python timeout 240 "$PYTHON" benchmarks/decode_breakdown.py --placement \
+  echo "== decode breakdown"; PYTHONPATH=python timeout 240 "$PYTHON" benchmarks/decode_breakdown.py ${BREAKDOWN_ARGS:---placement} \
     --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" | grep -E "^\|" || status=1
 fi
 if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
