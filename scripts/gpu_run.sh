@@ -78,10 +78,11 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
 fi
 if has tests; then
   ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
-  PYTHONPATH=python timeout "${TESTS_TIMEOUT:-420}" "$PYTHON" -m pytest ${TESTS:-tests/python} -v -rfs -n 12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
+  PYTHONPATH=python timeout "${TESTS_TIMEOUT:-420}" "$PYTHON" -m pytest ${TESTS:-tests/python} -v -rfs -n 12 --durations=12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   # -v names every result as it comes, so a run cut short by the time limit still names its
   # failures (with -q one cut-off run showed an F and no name).
   grep -E "(FAILED|ERROR) tests/" "$OUT/pytest.log" | head -20
+  grep -A14 "slowest .*durations" "$OUT/pytest.log" | grep -E "^[0-9.]+s " | head -6  # what bounds the next call's test time
   tail -3 "$OUT/pytest.log"
 fi
 if has sanitize || has race_control; then
