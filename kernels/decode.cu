@@ -378,7 +378,7 @@ int decode_default_num_splits(const DecodeParams& p) {
     // more sequences gained 2-9 %. At most 128 CTAs, as other plans' 128 splits.
     const int per_cta = decode_rows_splits_per_cta(p);
     splits = per_cta * decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context,
-                                         device_sm_count(), decode_rows_resident_ctas(p) / per_cta, 1);
+                                         device_sm_count(), decode_rows_resident_ctas(p), 1);
     return std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
   } else {
     int per_sm = 1;

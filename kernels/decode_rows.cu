@@ -72,7 +72,7 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
     const int tiles = below > 0 ? below / kTileBytes : 0;
     return tiles < kStages - 1 ? tiles : kStages - 1;
   }
-  static constexpr int kPairTableWords = kFp8Key ? 0 : (1 << (2 * KB)) * kPairStrideWords;
+  static constexpr int kPairTableWords = TileFragments<Slot>::kPairs * kPairStrideWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
   static constexpr int kSmemBytes = kBarrierOffset + kSplitsPerCta * 2 * kStages * 8;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -320,13 +320,12 @@ struct RowsSplitsPerCta {
   }
 };
 
-// Splits resident per SM (the split plan's unit): CTAs times the splits each serves.
 struct RowsResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
     const int n = prepare_rows_kernel<C, T>().per_sm;
-    *per_sm = n > 0 ? n * C::kSplitsPerCta : 1;
+    *per_sm = n > 0 ? n : 1;
     return cudaSuccess;
   }
 };

@@ -31,7 +31,8 @@ struct TileFragments {
   static constexpr int kValueChunkBytes = (D / 8) * S::VB / 8;  // PV: thread g owns dims [g D/8, (g+1) D/8)
   static constexpr int kValueWords = cdiv(kValueChunkBytes, 4);
   static constexpr int kKSteps = D / 16;
-  static constexpr int kPairTableWords = S::kFp8Key ? 0 : (1 << (2 * S::KB)) * 32;
+  static constexpr int kPairs = S::kFp8Key ? 0 : 1 << (2 * S::KB);  // pair-table entries (code pairs)
+  static constexpr int kPairTableWords = kPairs * 32;                 // a replica per bank (32 words per pair)
 };
 
 namespace device {
