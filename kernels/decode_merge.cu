@@ -1,11 +1,14 @@
 // Log-sum-exp merge of a split decode's partial results (both decode kernels write them):
 //   out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
 //
-// One CTA per (query row, head). The merge is a few hundred kilobytes at most, so its time is
-// latency: every global load a thread needs is independent of the others and issued before the
-// first one is used (one load of the log-sum-exps per thread, then the partial vectors as float4
-// columns with the splits divided among thread groups), instead of a loop over the splits that
-// waits for each load in turn (H200, B = 1, 32 splits: the old loop cost ~8 us per decode).
+// One CTA per (query row, head, slice of the head dims). The merge is a few megabytes at most, so
+// its time is latency: every global load a thread needs is independent of the others and issued
+// before the first one is used (one load of the log-sum-exps per thread, then the partial vectors
+// as float4 columns with the splits divided among thread groups), instead of a loop over the
+// splits that waits for each load in turn (H200, B = 1, 32 splits: the old loop cost ~8 us per
+// decode). With many splits a CTA takes a slice of the dims (merge_dim_slices), so each thread's
+// loads stay one batch: at B = 1, 256 splits in one slice were 8 batches, one memory round trip
+// each, and the merge's tail after the decode kernel took 10.6 of the 29 us step (session 16).
 //
 // It is launched with programmatic dependent launch on sm_90: its CTAs start while the decode
 // grid finishes (each decode CTA allows it after its main loop) and wait in
@@ -21,6 +24,7 @@ namespace {
 constexpr int kMergeThreads = 128;
 constexpr int kMergeWarps = kMergeThreads / 32;
 constexpr int kMaxMergeSplits = 2 * kMergeThreads;  // two log-sum-exps per thread
+constexpr int kMergeBatch = 8;  // partial-vector loads a thread has in flight
 static_assert(kMaxMergeSplits >= kMaxDecodeSplits, "every split's log-sum-exp needs a thread");
 
 // Block-wide max or sum of one value per thread; every thread gets the result.
@@ -50,20 +54,22 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   __shared__ float scratch[kMergeWarps];
   const int64_t row = blockIdx.x;  // query row * num_q_heads + head
   const int t = threadIdx.x;
-  // Thread t sums the float4 column t % columns over splits t / columns, t / columns + groups, ...
-  // (head_dim is a multiple of 4), kBatch loads in flight before the first is used.
-  const int columns = head_dim / 4, groups = kMergeThreads / columns;
+  // Thread t sums the float4 column t % columns of the CTA's slice (blockIdx.y of gridDim.y) over
+  // splits t / columns, t / columns + groups, ... (head_dim is a multiple of 4), kMergeBatch loads in
+  // flight before the first is used.
+  const int columns = head_dim / 4 / gridDim.y, groups = kMergeThreads / columns;
+  const int first_column = blockIdx.y * columns;
   const int column = t % columns, group = t / columns;
   const bool summing = group < groups;
-  const float4* part = reinterpret_cast<const float4*>(partial_out + row * num_splits * head_dim) + column;
-  constexpr int kBatch = 8;
-  float4 x[kBatch];
+  const float4* part = reinterpret_cast<const float4*>(partial_out + row * num_splits * head_dim) + first_column + column;
+  const int64_t part_stride = head_dim / 4;  // float4s from one split's vector to the next
+  float4 x[kMergeBatch];
   auto load_batch = [&](int s0) {
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
+    for (int k = 0; k < kMergeBatch; ++k) {
       // Past the last split: load the last one again (unconditional loads issue together); its
       // weight is 0.
-      x[k] = part[static_cast<int64_t>(min(s0 + k * groups, num_splits - 1)) * columns];
+      x[k] = part[min(s0 + k * groups, num_splits - 1) * part_stride];
     }
   };
   device::wait_for_primary_grid();
@@ -90,7 +96,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   if (summing) {
     for (int s0 = group;;) {
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
+      for (int k = 0; k < kMergeBatch; ++k) {
         const int s = s0 + k * groups;
         const float w = s < num_splits ? weight[s] : 0.0f;
         acc.x += w != 0.0f ? w * x[k].x : 0.0f;
@@ -98,7 +104,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
         acc.z += w != 0.0f ? w * x[k].z : 0.0f;
         acc.w += w != 0.0f ? w * x[k].w : 0.0f;
       }
-      s0 += kBatch * groups;
+      s0 += kMergeBatch * groups;
       if (s0 >= num_splits) break;
       load_batch(s0);
     }
@@ -114,7 +120,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
       acc.w += x.w;
     }
     const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-    T* o = out + row * head_dim + 4 * t;
+    T* o = out + row * head_dim + 4 * (first_column + t);
     o[0] = device::from_float<T>(acc.x * inv_total);
     o[1] = device::from_float<T>(acc.y * inv_total);
     o[2] = device::from_float<T>(acc.z * inv_total);
@@ -122,10 +128,23 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   }
 }
 
+// Slices of the head dims, one CTA each: the fewest (halving while a slice keeps at least 4 float4
+// columns) that keep every thread's partial loads to one batch of kMergeBatch.
+// D = 128 (32 float4 columns): 1 up to 32 splits, 2 to 64, 4 to 128, 8 to 256.
+int merge_dim_slices(int num_splits, int head_dim) {
+  int slices = 1;
+  while (head_dim / 4 / slices % 2 == 0 && head_dim / 4 / slices > 4 &&
+         num_splits * (head_dim / 4 / slices) > kMergeThreads * kMergeBatch) {
+    slices *= 2;
+  }
+  return slices;
+}
+
 template <typename T>
 cudaError_t launch_merge(const DecodeParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.query_rows) * p.num_q_heads));
+  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.query_rows) * p.num_q_heads),
+                        merge_dim_slices(p.num_splits, p.layout.head_dim));
   config.blockDim = dim3(kMergeThreads);
   config.stream = stream;
   cudaLaunchAttribute overlap[1];

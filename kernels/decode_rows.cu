@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOffset) + half * 2 * C::kStages;  // a stage's bytes landed
   uint64_t* const empty = full + C::kStages;  // every warp of the half is done with it
   const int head_group = blockIdx.x, split = blockIdx.y * C::kSplitsPerCta + half, b = blockIdx.z;
-  const bool has_split = split < p.num_splits;  // the last CTA's second half may have none
+  const bool has_split = split < p.num_splits;  // the last CTA's second half may have none (m stays -inf)
   const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (decode_rows_supports)
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
@@ -231,18 +231,23 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
 
   allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
 
-  // ---- this warp's columns are complete for the split: (acc + z) / l, or the partial and its
-  // log-sum-exp (log2 domain) for the merge. The results leave through shared memory as whole
-  // rows: straight from the MMA layout a lane's two dims sit 32 bytes from the next lane's, so the
-  // L2 took each 32-byte sector of the partials four times (ncu, (16,64,8,16384) 4bit_nc: 969 k
-  // sectors written for 8.4 MB of partials, all at the end of the one wave of CTAs). After the
-  // barrier every warp is past its last tile and no bulk copy is in flight: the rings are free.
+  // ---- this warp's columns are complete for the split: (acc + z) / l and the log-sum-exp (log2
+  // domain). The results leave through shared memory as whole rows: straight from the MMA layout a
+  // lane's two dims sit 32 bytes from the next lane's, so the L2 took each 32-byte sector of the
+  // partials four times (ncu, (16,64,8,16384) 4bit_nc: 969 k sectors written for 8.4 MB of
+  // partials, all at the end of the one wave of CTAs). In a CTA of two halves the halves' results
+  // for the same columns are folded here into one partial (the merge's rule, fold_split_results),
+  // so the CTA writes one partial per column, and none at all where its two splits are the row's
+  // only ones: the merge reads half as many (H200, session 16 call 1: its tail was 9.4 of 94 us at
+  // (128,32,8,2048), two splits in one CTA, and 10.6 of 29 at B = 1). After the barrier every
+  // warp is past its last tile and no bulk copy is in flight: the rings are free.
   sum_over_column_lanes(st.l);
   sum_over_column_lanes(st.z);
   __syncthreads();
-  if (!has_split) return;  // no CTA-wide barrier follows
-  static_assert(C::kOutBytes <= C::kScratchBytes, "every warp's columns fit the scratch region");
+  static_assert(C::kOutBytes + C::kWarps * kDecodeColumns * 4 <= C::kScratchBytes,
+                "every warp's columns and log-sum-exps fit the scratch region");
   float* const staged = reinterpret_cast<float*>(smem) + warp_of_cta * kDecodeColumns * D;  // [column][D]
+  float* const staged_lse = reinterpret_cast<float*>(smem + C::kOutBytes);  // [warp of the CTA][column]
   // The 16-byte chunks of column col sit XOR-swizzled by swizzle(col): rows are a multiple of 32
   // words apart, and a store instruction's lanes (4 columns, 8 dims pairs) would otherwise meet in
   // 2 or 4 of the 8 bank groups (8-16 wavefronts for 2 ideal); swizzled, 4-8. The row reads
@@ -252,6 +257,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   for (int k = 0; k < 2; ++k) {
     const int col = 2 * c + k;  // MMA column: this warp's group head
     if (col >= group) continue;
+    // A half without a split (the last CTA's second, for an odd split count) saw no token: m = -inf.
     const bool any = st.m[k] != -INFINITY;
     const float inv = any ? 1.0f / st.l[k] : 0.0f;
 #pragma unroll
@@ -261,22 +267,34 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
       const float o1 = any ? (st.acc[i][2 + k] + st.z[k]) * inv : 0.0f;
       *reinterpret_cast<float2*>(staged + col * D + (((d >> 2) ^ swizzle(col)) << 2) + (d & 3)) = make_float2(o0, o1);
     }
-    if (p.num_splits > 1 && g == 0) {
-      const int64_t row = columns.row(first_column + col);
-      p.partial_lse[row * p.num_splits + split] = any ? st.m[k] + log2f(st.l[k]) : -INFINITY;
-    }
+    if (g == 0) staged_lse[warp_of_cta * kDecodeColumns + col] = any ? st.m[k] + log2f(st.l[k]) : -INFINITY;
   }
-  __syncwarp();
+  if constexpr (C::kSplitsPerCta == 2) {
+    __syncthreads();   // the other half's columns are staged
+    if (half != 0) return;  // half 0's warps write the CTA's folded columns
+  } else {
+    __syncwarp();
+  }
+  // One partial per CTA: grid.y of them per row (launch_decode_merge combines that many).
+  const int num_partials = gridDim.y, partial = blockIdx.y;
   // Lane l writes dims 4l .. 4l + 3 of each column (D = 64: lanes 0-15).
   if (4 * lane < D) {
     for (int col = 0; col < group; ++col) {
       const int64_t row = columns.row(first_column + col);
-      const float4 o = reinterpret_cast<const float4*>(staged + col * D)[lane ^ swizzle(col)];
-      if (p.num_splits == 1) {
+      const int chunk = lane ^ swizzle(col);
+      float4 o = reinterpret_cast<const float4*>(staged + col * D)[chunk];
+      float lse = staged_lse[warp_of_cta * kDecodeColumns + col];
+      if constexpr (C::kSplitsPerCta == 2) {  // the same columns of the other half's warp
+        const int other = warp_of_cta + kRowHeads;
+        fold_split_results(o, lse, reinterpret_cast<const float4*>(smem)[(other * kDecodeColumns + col) * (D / 4) + chunk],
+                           staged_lse[other * kDecodeColumns + col]);
+      }
+      if (num_partials == 1) {
         alignas(8) T four[4] = {from_float<T>(o.x), from_float<T>(o.y), from_float<T>(o.z), from_float<T>(o.w)};
         *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + 4 * lane) = *reinterpret_cast<const uint2*>(four);
       } else {
-        *reinterpret_cast<float4*>(p.partial_out + (row * p.num_splits + split) * D + 4 * lane) = o;
+        *reinterpret_cast<float4*>(p.partial_out + (row * num_partials + partial) * D + 4 * lane) = o;
+        if (lane == 0) p.partial_lse[row * num_partials + partial] = lse;
       }
     }
   }
@@ -342,8 +360,12 @@ struct LaunchRows {
     const dim3 grid(p.cache.num_kv_heads / kRowHeads, cdiv(p.num_splits, C::kSplitsPerCta), p.batch);
     decode_rows_kernel<C, T><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
     err = cudaGetLastError();
-    if (err != cudaSuccess || p.num_splits == 1) return err;
-    return launch_decode_merge(p, stream);
+    if (err != cudaSuccess || grid.y == 1) return err;
+    // One partial per CTA (its halves folded): the workspace, sized for p.num_splits per row, holds
+    // grid.y per row, and the merge combines those.
+    DecodeParams partials = p;
+    partials.num_splits = static_cast<int>(grid.y);
+    return launch_decode_merge(partials, stream);
   }
 };
 

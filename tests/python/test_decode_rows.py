@@ -64,6 +64,47 @@ def test_rows_decode_several_head_groups(preset, kv_heads, head_dim):
         assert rel_err(out, ref) <= 2e-3, splits
 
 
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_rows_decode_folds_a_ctas_two_splits(preset):
+    """A 4-bit-key CTA serves two splits and folds their results into one partial (none where its
+    two are the row's only splits: 2 writes the output directly; 3 leaves the last CTA's second
+    half without a split); the merge then combines one partial per CTA, over dim slices from 64
+    partials up (256: 128 CTAs per row). 150 sequences of 0 to 3000 tokens, so short ones leave
+    whole halves and CTAs empty. k8v4 (one split per CTA) goes through the same epilogue unfolded."""
+    g = torch.Generator().manual_seed(11)
+    lens = torch.randint(0, 3001, (150,), generator=g).tolist()
+    lens[:4] = [0, 1, 16, 3000]
+    cache, bt, sl, _, _ = make_paged_batch(lens, 16, 8, 128, preset, seed=12)
+    q = torch.randn(150, 32, 128, generator=g).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
+    for splits in (2, 3, 4, 0, 256):
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
+        assert not out.isnan().any(), splits
+        assert (out[0] == 0).all(), splits  # seq_len 0
+        assert rel_err(out, ref) <= 2e-3, splits
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 0])
+def test_rows_decode_nan_key_reaches_only_its_heads(splits):
+    """A NaN key (one token of one KV head of one sequence) makes exactly that head's 4 query heads
+    NaN, through the fold of a CTA's two splits and the merge (a NaN result must not be weighted
+    away as an empty split's would be); every other output matches the CPU."""
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700], 16, 8, 128, preset, seed=13)
+    key = torch.randn(1, 8, 128)
+    key[0, 3, 9] = float("nan")
+    slot = bt[1, 700 // 16].item() * 16 + 700 % 16  # token 700 of sequence 1
+    tq.store_kv(key, torch.randn(1, 8, 128), cache, torch.tensor([slot]), preset)
+    q = torch.randn(3, 32, 128).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
+    out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
+    nan_heads = torch.zeros(3, 32, dtype=torch.bool)
+    nan_heads[1, 12:16] = True
+    assert torch.equal(out.isnan().any(-1), nan_heads) and out[1, 12:16].isnan().all()
+    assert torch.equal(ref.isnan().any(-1), nan_heads)  # the reference agrees on where it lands
+    assert rel_err(out[~nan_heads], ref[~nan_heads]) <= 2e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 def test_rows_decode_dtypes_block_sizes(dtype, block_size):
