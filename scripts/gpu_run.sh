@@ -25,6 +25,15 @@ export CUDA_ARCHS=90 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 source scripts/common.sh
 ensure_python_deps
+# SM clock, power and temperature every 200 ms for the whole call, with the step that ran
+# (mark_step): a step timed slower than another run of the same kernels shows whether the card's
+# clocks differed (summarized at the end, per step).
+clock_fields=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
+nvidia-smi --query-gpu=$clock_fields --format=csv >/dev/null 2>&1 || clock_fields=${clock_fields/event/throttle}  # older drivers
+nvidia-smi --query-gpu=$clock_fields --format=csv,noheader,nounits -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
+clock_logger=$!
+mark_step() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N') $1" >> "$OUT/steps.txt"; }
+mark_step build
 has() { [[ " $steps " == *" $1 "* ]]; }
 start=$(date +%s)
 if has probe; then  # standalone, no torch: compile it while the library builds
@@ -43,9 +52,11 @@ if has probe; then
   for x in 0 16 144 2 8 134; do timeout 30 "$OUT/tma_probe.bin" "$x"; done | tee "$OUT/tma_probe.md"
 fi
 if has diagnose; then
+  mark_step diagnose
   echo "== decode knobs"; timeout 240 "$PYTHON" benchmarks/diagnose_decode.py 2>&1 | tee "$OUT/diagnose.md" || status=1
 fi
 if has splits; then  # decode time against the split count at batch 1..16 (the split rule's evidence)
+  mark_step splits
   echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
 fi
 if has subnormal; then  # standalone: does the PV MMA take fp16 subnormal value codes exactly?
@@ -57,6 +68,7 @@ if has sanitize || has race_control; then  # a standalone control: can racecheck
     > "$OUT/ring_probe_build.log" 2>&1 &
 fi
 if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
+  mark_step sanitize
   sanitize() {  # sanitize <log name> <tool> <-k expression> <test files...>
     local name=$1 tool=$2 k=$3; shift 3
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=python timeout "${SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool "$tool" \
@@ -77,6 +89,7 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   TURBOQUANT_DECODE_KERNEL=rows sanitize rows_racecheck racecheck "$rows and not dtypes" tests/python/test_decode_rows.py &
 fi
 if has tests; then
+  mark_step tests
   ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
   PYTHONPATH=python timeout "${TESTS_TIMEOUT:-420}" "$PYTHON" -m pytest ${TESTS:-tests/python} -v -rfs -n 12 --durations=12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   # -v names every result as it comes, so a run cut short by the time limit still names its
@@ -98,22 +111,26 @@ if has sanitize; then
   done
 fi
 if has bench; then
+  mark_step bench
   rm -f "$OUT/results.md"
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
+  mark_step breakdown
   echo "== decode breakdown"; PYTHONPATH=python timeout 240 "$PYTHON" benchmarks/decode_breakdown.py ${BREAKDOWN_ARGS:---placement} \
     --out "$OUT/breakdown.md" 2>&1 | tee "$OUT/breakdown.log" | grep -E "^\|" || status=1
 fi
 if has continuation; then  # decode_varlen vs dequantize + SDPA for continuation chunks
+  mark_step continuation
   for kernel in decode chunked; do
     timeout 300 "$PYTHON" benchmarks/bench_continuation.py --kernel $kernel --out "$OUT/results.md" > "$OUT/bench_continuation_$kernel.log" 2>&1 || status=1
     tail -32 "$OUT/bench_continuation_$kernel.log"
   done
 fi
 if has speed; then  # context/batch sweep, plots and section in benchmarks/RESULTS.md
+  mark_step speed
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # comes back updated: copy it over the repo's
   # The device copy's git metadata can be stale: the caller passes COMMIT=<hash> to name the commit.
   timeout 500 "$PYTHON" benchmarks/speed.py --out "$OUT/RESULTS.md" ${COMMIT:+--commit "$COMMIT"} > "$OUT/speed.log" 2>&1 || status=1
@@ -133,6 +150,7 @@ ncu_profile() {
 # The plain-decode kernel the default picks for the shape (decode_rows_kernel or decode_kernel;
 # TURBOQUANT_DECODE_KERNEL=heads|rows forces one).
 if has profile; then  # DECODE_SHAPE may list several shapes, separated by ";": one profile each
+  mark_step profile
   IFS=';' read -ra profile_shapes <<< "${DECODE_SHAPE:-32 32 8 8192}"
   for shape in "${profile_shapes[@]}"; do
     name=decode_profile; [ "${#profile_shapes[@]}" -gt 1 ] && name=decode_profile_$(echo $shape | tr ' ' '_')
@@ -145,6 +163,7 @@ if has profile_varlen; then  # the chunked varlen kernel on a long and a short c
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
 fi
 if has ab_rows; then  # the two plain-decode kernels of this build, alternating processes (TURBOQUANT_DECODE_KERNEL)
+  mark_step ab_rows
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for kernel in heads rows; do
       TURBOQUANT_DECODE_KERNEL=$kernel timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-ab}" \
@@ -158,6 +177,7 @@ if has ab_rows; then  # the two plain-decode kernels of this build, alternating 
   fi
 fi
 if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in its own copy and build
+  mark_step ab
   out_abs=$(cd "$OUT" && pwd); here=$(pwd); rounds=${AB_ROUNDS:-2}; trees=(.); labels=(change)
   for patch_file in $AB_PATCH; do  # several patches: one base tree each, labelled by the file's name
     name=$(basename "$patch_file" .patch); base=/tmp/ab_base_$name; rm -rf "$base"; mkdir -p "$base"
@@ -172,7 +192,7 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
   done
   for round in $(seq "$rounds"); do
     for i in "${!trees[@]}"; do
-      tree=${trees[$i]}; label=${labels[$i]}
+      tree=${trees[$i]}; label=${labels[$i]}; mark_step "ab_${label}_$round"
       (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" \
         --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
@@ -186,6 +206,9 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
   fi
 fi
 echo "== done in $(( $(date +%s) - start )) s"
+kill "$clock_logger" 2>/dev/null
+echo "== clocks per step (SM MHz min/median/max, W median, C max, event reasons seen)"
+"$PYTHON" scripts/clock_summary.py "$OUT/clocks.csv" "$OUT/steps.txt" 2>&1 | head -20
 # The device transfer returns only a handful of files: pack the logs, keep tables and plots loose.
 logs=$(cd "$OUT" && ls *.log *.txt *.csv 2>/dev/null)
 if [ -n "$logs" ]; then (cd "$OUT" && tar czf logs.tgz $logs && rm -f $logs); fi
