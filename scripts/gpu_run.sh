@@ -30,8 +30,10 @@ ensure_python_deps
 # clocks differed (summarized at the end, per step).
 clock_fields=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
 nvidia-smi --query-gpu=$clock_fields --format=csv >/dev/null 2>&1 || clock_fields=${clock_fields/event/throttle}  # older drivers
-nvidia-smi --query-gpu=$clock_fields --format=csv,noheader,nounits -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
-clock_logger=$!
+# Started from a subshell, so it is not this shell's child: the `wait`s below (for the probe
+# builds and the sanitizer runs) would otherwise wait for it forever.
+clock_logger=$(nvidia-smi --query-gpu=$clock_fields --format=csv,noheader,nounits -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
+  echo $!)
 mark_step() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N') $1" >> "$OUT/steps.txt"; }
 mark_step build
 has() { [[ " $steps " == *" $1 "* ]]; }
