@@ -270,18 +270,19 @@ __device__ __forceinline__ void sum_over_column_lanes(float (&v)[2]) {
 }
 
 // Folds a second split's result (normalized output o1 and log-sum-exp lse1, log2 domain) into
-// the first (o, lse), by the merge's rule (decode_merge.cu): weights 2^(lse - max), a split that
+// the first (o, lse), by the merge's rule (decode_merge.cu): weights 2^(lse - max); a split that
 // saw no token (lse = -inf) weighs 0 and is selected away, so its output is never multiplied in;
 // both empty: zeros and -inf. A NaN on either side (a NaN key) reaches o and lse, so the merge
-// after it passes it on instead of weighting it away.
+// after it passes it on: fmaxf ignores a NaN, so with the other side empty mx is -inf, and the
+// test for "both empty" must look at both log-sum-exps, not at mx (it did, and a NaN row became
+// zeros: session 16, one split, the row kernel forced).
 __device__ __forceinline__ void fold_split_results(float4& o, float& lse, const float4 o1, const float lse1) {
-  const float mx = fmaxf(lse, lse1);  // fmaxf ignores a NaN: the NaN side's weight carries it
-  if (mx == -INFINITY) {
+  if (lse == -INFINITY && lse1 == -INFINITY) {
     o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    lse = -INFINITY;
     return;
   }
-  const float w0 = exp2f(lse - mx), w1 = exp2f(lse1 - mx);  // one of them is 1 unless a NaN
+  const float mx = fmaxf(lse, lse1);
+  const float w0 = split_weight(lse, mx), w1 = split_weight(lse1, mx);  // one is 1 unless a NaN
   const float inv = 1.0f / (w0 + w1);
   auto fold = [&](float a, float b) { return ((w0 != 0.0f ? w0 * a : 0.0f) + (w1 != 0.0f ? w1 * b : 0.0f)) * inv; };
   o = make_float4(fold(o.x, o1.x), fold(o.y, o1.y), fold(o.z, o1.z), fold(o.w, o1.w));

@@ -84,8 +84,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   // Weights of the splits: 0 for a split that saw no token (lse = -inf) or for every split of a
   // row no CTA served.
   const float mx = block_reduce<true>(fmaxf(lse0, lse1), scratch);
-  const float w0 = mx == -INFINITY ? 0.0f : exp2f(lse0 - mx);
-  const float w1 = mx == -INFINITY ? 0.0f : exp2f(lse1 - mx);
+  const float w0 = device::split_weight(lse0, mx), w1 = device::split_weight(lse1, mx);
   weight[t] = w0;
   weight[t + kMergeThreads] = w1;
   const float total = block_reduce<false>(w0 + w1, scratch);  // its barriers publish weight[]

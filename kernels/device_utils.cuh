@@ -322,5 +322,9 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
   bulk_copy_to_shared(smem_address(dst), src, bytes, smem_address(bar));
 }
 
+// A split's weight in a merge of log-sum-exps whose maximum is mx: 0 for a split that saw no
+// token (lse = -inf, also when every split is empty), NaN for a NaN split whatever mx is.
+__device__ __forceinline__ float split_weight(float lse, float mx) { return lse == -INFINITY ? 0.0f : exp2f(lse - mx); }
+
 }  // namespace device
 }  // namespace turboquant

@@ -86,22 +86,23 @@ def test_rows_decode_folds_a_ctas_two_splits(preset):
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4, 0])
 def test_rows_decode_nan_key_reaches_only_its_heads(splits):
-    """A NaN key (one token of one KV head of one sequence) makes exactly that head's 4 query heads
-    NaN, through the fold of a CTA's two splits and the merge (a NaN result must not be weighted
-    away as an empty split's would be); every other output matches the CPU."""
+    """A NaN key (one token of one KV head) makes exactly that head's 4 query heads NaN, through
+    the fold of a CTA's two splits and the merge: a NaN result must not be weighted away as an
+    empty split's is, also where every other split of the row is empty (sequence 3, one token:
+    fmaxf skips the NaN, so the maximum log-sum-exp is -inf). Every other output matches the CPU."""
     preset = "turboquant_4bit_nc"
-    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700], 16, 8, 128, preset, seed=13)
-    key = torch.randn(1, 8, 128)
-    key[0, 3, 9] = float("nan")
-    slot = bt[1, 700 // 16].item() * 16 + 700 % 16  # token 700 of sequence 1
-    tq.store_kv(key, torch.randn(1, 8, 128), cache, torch.tensor([slot]), preset)
-    q = torch.randn(3, 32, 128).half()
+    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700, 1], 16, 8, 128, preset, seed=13)
+    key = torch.randn(2, 8, 128)
+    key[:, 3, 9] = float("nan")
+    slots = [bt[1, 700 // 16].item() * 16 + 700 % 16, bt[3, 0].item() * 16]  # token 700 of sequence 1, 0 of 3
+    tq.store_kv(key, torch.randn(2, 8, 128), cache, torch.tensor(slots), preset)
+    q = torch.randn(4, 32, 128).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
     out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
-    nan_heads = torch.zeros(3, 32, dtype=torch.bool)
-    nan_heads[1, 12:16] = True
-    assert torch.equal(out.isnan().any(-1), nan_heads) and out[1, 12:16].isnan().all()
+    nan_heads = torch.zeros(4, 32, dtype=torch.bool)
+    nan_heads[1, 12:16] = nan_heads[3, 12:16] = True
     assert torch.equal(ref.isnan().any(-1), nan_heads)  # the reference agrees on where it lands
+    assert torch.equal(out.isnan().any(-1), nan_heads) and out[nan_heads].isnan().all()
     assert rel_err(out[~nan_heads], ref[~nan_heads]) <= 2e-3
 
 
