@@ -1,4 +1,5 @@
-// Log-sum-exp merge of a split decode's partial results (both decode kernels write them):
+// Log-sum-exp merge of a split decode's partial results (the per-head, row and chunked kernels
+// write them; the row kernel one per CTA, its two splits folded; p.num_splits says how many):
 //   out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),  M = max_s lse_s.
 //
 // One CTA per (query row, head, slice of the head dims). The merge is a few megabytes at most, so
@@ -127,8 +128,9 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
   }
 }
 
-// Slices of the head dims, one CTA each: the fewest (halving while a slice keeps at least 4 float4
-// columns) that keep every thread's partial loads to one batch of kMergeBatch.
+// Slices of the head dims, one CTA each: the fewest (halving while a slice has more than 4 float4
+// columns and an even count: D = 96 ends at 3) that keep every thread's partial loads to one batch
+// of kMergeBatch.
 // D = 128 (32 float4 columns): 1 up to 32 splits, 2 to 64, 4 to 128, 8 to 256.
 int merge_dim_slices(int num_splits, int head_dim) {
   int slices = 1;

@@ -57,8 +57,8 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
   // Shared memory: [ring: one per half (+16: the tile math reads a word past a slot) | query
-  // columns, aliased by the rings | the results on the way out, aliased too] [pair table] [full
-  // and empty barriers, per half].
+  // columns, aliased by the rings | the results on the way out and their log-sum-exps (at
+  // kOutBytes), aliased too] [pair table] [full and empty barriers, per half].
   static constexpr int kHalfRingBytes = kStages * kTileBytes;
   static constexpr int kRingBytes = kSplitsPerCta * kHalfRingBytes + 16;
   static constexpr int kQueryBytes = kColumns * D * 4;

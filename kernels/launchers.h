@@ -52,8 +52,10 @@ struct DecodeParams {
   Codebook codebook;
   float scale = 1.0f;
   int num_splits = 1;
-  float* partial_out = nullptr;  // [query_rows, num_q_heads, num_splits, head_dim] (num_splits > 1)
-  float* partial_lse = nullptr;  // [query_rows, num_q_heads, num_splits], log2 domain; -inf-filled
+  // Workspace for num_splits > 1, sized for num_splits partials per row; a kernel may write fewer
+  // (the row kernel: one per CTA, its two splits folded) and merge that many, at that stride.
+  float* partial_out = nullptr;  // [query_rows, num_q_heads, partials, head_dim]
+  float* partial_lse = nullptr;  // [query_rows, num_q_heads, partials], log2 domain; -inf-filled
                                  // by the caller for varlen (rows no CTA serves merge to zeros)
 };
 
