@@ -242,10 +242,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   for (int idx = threadIdx.x; idx < num_columns * D; idx += kThreads) {
     const int h = idx / D, d = idx % D;  // h: the column
     float mx = -INFINITY;
+    bool nan_sum = false;  // a warp whose only scores were NaN: m = -inf, l = NaN (column_saw_tokens)
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, merge[(w * kHeads + h) * kRow + D]);
+    for (int w = 0; w < kWarps; ++w) {
+      mx = fmaxf(mx, merge[(w * kHeads + h) * kRow + D]);
+      nan_sum |= isnan(merge[(w * kHeads + h) * kRow + D + 1]);
+    }
     float out = 0.0f, lse = -INFINITY;
-    if (mx != -INFINITY) {
+    if (nan_sum) {
+      out = lse = NAN;
+    } else if (mx != -INFINITY) {
       float num = 0.0f, den = 0.0f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {

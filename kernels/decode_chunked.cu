@@ -333,13 +333,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     const int column = my_col0 + 2 * c + k;
     if (column >= num_columns) continue;
     const int64_t row = columns.row(column);
-    const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
+    const bool any = column_saw_tokens(l[k]);
+    const float inv = any ? 1.0f / l[k] : 0.0f;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // C rows g and g + 8 of block i
         const int dim = value_dim_of_position(16 * i + g + 8 * h);
-        const float out = l[k] > 0.0f ? (acc[i][2 * h + k] + z[k]) * inv : 0.0f;
+        const float out = any ? (acc[i][2 * h + k] + z[k]) * inv : 0.0f;
         if (p.num_splits == 1) {
           static_cast<T*>(p.out)[row * D + dim] = from_float<T>(out);
         } else {
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       }
     }
     if (p.num_splits > 1 && g == 0) {
-      p.partial_lse[row * p.num_splits + split] = l[k] > 0.0f ? m[k] + log2f(l[k]) : -INFINITY;
+      p.partial_lse[row * p.num_splits + split] = any ? m[k] + log2f(l[k]) : -INFINITY;
     }
   }
 }

@@ -269,6 +269,12 @@ __device__ __forceinline__ void sum_over_column_lanes(float (&v)[2]) {
   }
 }
 
+// Whether a column's softmax saw a token, from its sum l: 0 for none, > 0 once a score is finite
+// (the largest weighs at least 2^-kSoftmaxHeadroom), NaN once a score is NaN. The running max m
+// cannot tell: fmaxf skips a NaN, so a split whose only scores are NaN ends with m = -inf like an
+// empty one, and testing m turned such a column into zeros where the CPU gives NaN (session 16).
+__device__ __forceinline__ bool column_saw_tokens(float l) { return l != 0.0f; }
+
 // Folds a second split's result (normalized output o1 and log-sum-exp lse1, log2 domain) into
 // the first (o, lse), by the merge's rule (decode_merge.cu): weights 2^(lse - max); a split that
 // saw no token (lse = -inf) weighs 0 and is selected away, so its output is never multiplied in;

@@ -257,8 +257,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   for (int k = 0; k < 2; ++k) {
     const int col = 2 * c + k;  // MMA column: this warp's group head
     if (col >= group) continue;
-    // A half without a split (the last CTA's second, for an odd split count) saw no token: m = -inf.
-    const bool any = st.m[k] != -INFINITY;
+    // A half without a split (the last CTA's second, for an odd split count) saw no token: l = 0.
+    // Not m = -inf: a split whose only scores are NaN keeps m = -inf (fmaxf skips a NaN) with a
+    // NaN l, and must come out NaN, not empty (column_saw_tokens).
+    const bool any = column_saw_tokens(st.l[k]);
     const float inv = any ? 1.0f / st.l[k] : 0.0f;
 #pragma unroll
     for (int i = 0; i < C::kKSteps; ++i) {

@@ -90,19 +90,21 @@ def test_rows_decode_nan_key_reaches_only_its_heads(splits):
     the fold of a CTA's two splits and the merge: a NaN result must not be weighted away as an
     empty split's is, also where every other split of the row is empty (sequence 3, 5 tokens in
     split 0: fmaxf skips the NaN, so the maximum log-sum-exp is -inf). Every other output matches
-    the CPU. (Not here: a sequence whose every token's key is NaN; the GPU kernels then return a
-    finite output where the CPU returns NaN, session 16 call 4, before and apart from the fold.)"""
+    the CPU. Sequence 4 holds one token, its key NaN: a split whose only score is NaN keeps the
+    running max at -inf and must still come out NaN, not empty (the GPU kernels returned zeros
+    there before column_saw_tokens; session 16, call 4)."""
     preset = "turboquant_4bit_nc"
-    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700, 5], 16, 8, 128, preset, seed=13)
-    key = torch.randn(2, 8, 128)
+    cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700, 5, 1], 16, 8, 128, preset, seed=13)
+    key = torch.randn(3, 8, 128)
     key[:, 3, 9] = float("nan")
-    slots = [bt[1, 700 // 16].item() * 16 + 700 % 16, bt[3, 0].item() * 16 + 2]  # token 700 of sequence 1, 2 of 3
-    tq.store_kv(key, torch.randn(2, 8, 128), cache, torch.tensor(slots), preset)
-    q = torch.randn(4, 32, 128).half()
+    # token 700 of sequence 1, 2 of 3, 0 of 4
+    slots = [bt[1, 700 // 16].item() * 16 + 700 % 16, bt[3, 0].item() * 16 + 2, bt[4, 0].item() * 16]
+    tq.store_kv(key, torch.randn(3, 8, 128), cache, torch.tensor(slots), preset)
+    q = torch.randn(5, 32, 128).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
     out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
-    nan_heads = torch.zeros(4, 32, dtype=torch.bool)
-    nan_heads[1, 12:16] = nan_heads[3, 12:16] = True
+    nan_heads = torch.zeros(5, 32, dtype=torch.bool)
+    nan_heads[1, 12:16] = nan_heads[3, 12:16] = nan_heads[4, 12:16] = True
     assert torch.equal(ref.isnan().any(-1), nan_heads)  # the reference agrees on where it lands
     assert torch.equal(out.isnan().any(-1), nan_heads) and out[nan_heads].isnan().all()
     assert rel_err(out[~nan_heads], ref[~nan_heads]) <= 2e-3

@@ -161,6 +161,31 @@ def test_decode_varlen_cuda_graph_replay_and_empty_query():
 
 
 @requires_cuda
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_varlen_cuda_nan_key_reaches_exactly_the_rows_that_see_it(num_splits):
+    """A NaN key at token 0 of KV head 1 makes exactly the query rows that see token 0 NaN in that
+    head's query heads, as on the CPU: here every row, including those that see token 0 alone
+    (a sequence of one token; the first row of a 16-token chunk over 16 tokens), where the running
+    max stays -inf and only the softmax sum says NaN (column_saw_tokens). Other heads match."""
+    preset, hkv, group, d = "turboquant_4bit_nc", 2, 4, 128
+    seq_lens, q_lens = [1, 40, 16], [1, 16, 16]
+    cache, bt, sl, _, _ = make_paged_batch(seq_lens, 16, hkv, d, preset, seed=21)
+    key = torch.randn(3, hkv, d)
+    key[:, 1, 5] = float("nan")
+    tq.store_kv(key, torch.randn(3, hkv, d), cache, bt[:, 0].long() * 16, preset)  # token 0 of each
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), hkv * group, d).half()
+    ref = tq.decode_varlen(query.float(), cache, bt, sl, starts, preset, 0.1, num_splits)
+    dev = [t.cuda() for t in (cache, bt, sl, starts)]
+    out = tq.decode_varlen(query.cuda(), *dev, preset, 0.1, num_splits).float().cpu()
+    nan_heads = torch.zeros(query.shape[:2], dtype=torch.bool)
+    nan_heads[:, group:] = True
+    assert torch.equal(ref.isnan().any(-1), nan_heads)  # the reference: every row sees token 0
+    assert torch.equal(out.isnan().any(-1), nan_heads) and out[nan_heads].isnan().all()
+    assert rel_err(out[~nan_heads], ref[~nan_heads]) <= 2e-3
+
+
+@requires_cuda
 @pytest.mark.parametrize("kernel", ["decode", "chunked"])
 def test_each_varlen_kernel_passes_the_varlen_cuda_tests(kernel):
     """launch_decode picks the varlen kernel by shape (the chunked one, 64 query columns per CTA,
