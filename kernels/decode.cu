@@ -242,27 +242,24 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   for (int idx = threadIdx.x; idx < num_columns * D; idx += kThreads) {
     const int h = idx / D, d = idx % D;  // h: the column
     float mx = -INFINITY;
-    bool nan_sum = false;  // a warp whose only scores were NaN: m = -inf, l = NaN (column_saw_tokens)
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, merge[(w * kHeads + h) * kRow + D]);
+    // The combined softmax sum den decides, as in the tile loop (column_saw_tokens): a warp that
+    // saw no token weighs 0 with l = 0; one whose only scores were NaN has m = -inf too, but its
+    // NaN l and acc reach den and num through the zero weight (0 x NaN), also where every warp's m
+    // is -inf (the base is then 0, as in online_softmax_tiles).
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    float num = 0.0f, den = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      mx = fmaxf(mx, merge[(w * kHeads + h) * kRow + D]);
-      nan_sum |= isnan(merge[(w * kHeads + h) * kRow + D + 1]);
+      const float* r = merge + (w * kHeads + h) * kRow;
+      const float wt = exp2f(r[D] - base);
+      num += wt * (r[d] + r[D + 2]);
+      den += wt * r[D + 1];
     }
-    float out = 0.0f, lse = -INFINITY;
-    if (nan_sum) {
-      out = lse = NAN;
-    } else if (mx != -INFINITY) {
-      float num = 0.0f, den = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float* r = merge + (w * kHeads + h) * kRow;
-        const float wt = exp2f(r[D] - mx);  // 0 for a warp that saw no token
-        num += wt * (r[d] + r[D + 2]);
-        den += wt * r[D + 1];
-      }
-      out = num / den;
-      lse = mx + log2f(den);
-    }
+    const bool any = column_saw_tokens(den);
+    const float out = any ? num / den : 0.0f;
+    const float lse = any ? base + log2f(den) : -INFINITY;
     const int64_t row = columns.row(h);
     if (p.num_splits == 1) {
       static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOffset) + half * 2 * C::kStages;  // a stage's bytes landed
   uint64_t* const empty = full + C::kStages;  // every warp of the half is done with it
   const int head_group = blockIdx.x, split = blockIdx.y * C::kSplitsPerCta + half, b = blockIdx.z;
-  const bool has_split = split < p.num_splits;  // the last CTA's second half may have none (m stays -inf)
+  const bool has_split = split < p.num_splits;  // the last CTA's second half may have none (l stays 0)
   const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (decode_rows_supports)
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
@@ -246,8 +246,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   __syncthreads();
   static_assert(C::kOutBytes + C::kWarps * kDecodeColumns * 4 <= C::kScratchBytes,
                 "every warp's columns and log-sum-exps fit the scratch region");
-  float* const staged = reinterpret_cast<float*>(smem) + warp_of_cta * kDecodeColumns * D;  // [column][D]
-  float* const staged_lse = reinterpret_cast<float*>(smem + C::kOutBytes);  // [warp of the CTA][column]
+  // A warp's staged columns, [column][D], and their log-sum-exps, [warp of the CTA][column].
+  auto staged_of = [&](int w) { return reinterpret_cast<float*>(smem) + w * kDecodeColumns * D; };
+  float* const staged = staged_of(warp_of_cta);
+  float* const staged_lse = reinterpret_cast<float*>(smem + C::kOutBytes);
   // The 16-byte chunks of column col sit XOR-swizzled by swizzle(col): rows are a multiple of 32
   // words apart, and a store instruction's lanes (4 columns, 8 dims pairs) would otherwise meet in
   // 2 or 4 of the 8 bank groups (8-16 wavefronts for 2 ideal); swizzled, 4-8. The row reads
@@ -288,7 +290,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
       float lse = staged_lse[warp_of_cta * kDecodeColumns + col];
       if constexpr (C::kSplitsPerCta == 2) {  // the same columns of the other half's warp
         const int other = warp_of_cta + kRowHeads;
-        fold_split_results(o, lse, reinterpret_cast<const float4*>(smem)[(other * kDecodeColumns + col) * (D / 4) + chunk],
+        fold_split_results(o, lse, reinterpret_cast<const float4*>(staged_of(other) + col * D)[chunk],
                            staged_lse[other * kDecodeColumns + col]);
       }
       if (num_partials == 1) {
