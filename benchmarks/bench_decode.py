@@ -3,11 +3,13 @@ cache of the same shape (best of its backends), in one process, plus the copy ba
 
     python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab|fill] [--out results.md]
 
-Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation
-(both for turboquant and for SDPA, each timed after its eager calls), so small shapes measure the
-kernels rather than Python and launch overhead; the eager ratio (back-to-back calls, what a Python
-loop sees) is printed too, and our graphs' first timing (before the eager calls; the headline
-before session 16).
+Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation,
+so small shapes measure the kernels rather than Python and launch overhead. Ours and SDPA's graphs
+are timed in alternating rounds (SDPA, ours, SDPA, ours, ...) and each reports its median round, so
+both run in the same power and clock state: the H200 runs SDPA's large shapes into its 700 W cap,
+and whichever is timed right after the other's long run pays for it (session 16-17: a single
+timing of ours right after SDPA's baseline was 5-20 % slower than the same graphs a moment later).
+The eager ratio (back-to-back calls, what a Python loop sees) is printed too.
 Prints time, GB/s over the packed bytes, % of copy bandwidth and the speed-up over SDPA bf16;
 then graph-replay latency for small batches. Tables in RESULTS.md before 2026-12-02 (session 3)
 used eager times.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import subprocess
 import sys
 
@@ -62,11 +65,11 @@ def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_
     return cache, order.view(b, blocks_per_seq).int()
 
 
-def sdpa_best_us(b, hq, hkv, length, graphed=False):
-    """Best SDPA bf16 time over the cuDNN, flash and efficient backends (GQA without expanding
-    K/V when the backend allows it), from eager back-to-back calls. Returns (us, backend name), or
-    with `graphed` (us, backend, graph-replay us, its backend): the same input sets timed both
-    ways in one pass (a backend that cannot be captured counts for eager only)."""
+def sdpa_best(b, hq, hkv, length):
+    """Best SDPA bf16 over the cuDNN, flash and efficient backends (GQA without expanding K/V when
+    the backend allows it). Returns (eager us, its backend, graph-replay us, its backend, that
+    backend's graph replays, which keep their inputs) from one pass; a backend that cannot be captured
+    counts for eager only."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sets = []
     for _ in range(copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
@@ -74,19 +77,36 @@ def sdpa_best_us(b, hq, hkv, length, graphed=False):
         k = torch.randn(b, hkv, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         sets.append((q, k, v))
-    best, best_graph = (float("inf"), "none"), (float("inf"), "none")
+    best, best_graph, best_replays = (float("inf"), "none"), (float("inf"), "none"), None
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         with sdpa_kernel(backend):
             fns = [lambda s=s: F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True) for s in sets]
             try:
                 best = min(best, (time_us(fns), backend.name.lower()))
-                if graphed:
-                    best_graph = min(best_graph, (time_us(graph_replays(fns)), backend.name.lower()))
+                replays = graph_replays(fns)
+                graph = (time_us(replays), backend.name.lower())
+                if graph < best_graph:
+                    best_graph, best_replays = graph, replays
             except RuntimeError:
                 continue
-    del sets
+    return best + best_graph + (best_replays,)
+
+
+def sdpa_best_us(b, hq, hkv, length, graphed=False):
+    """sdpa_best's (us, backend), with `graphed` also (graph-replay us, its backend); frees its inputs."""
+    result = sdpa_best(b, hq, hkv, length)[:4]
     torch.cuda.empty_cache()
-    return best + best_graph if graphed else best
+    return result if graphed else result[:2]
+
+
+def alternating_rounds_us(a, b, rounds):
+    """Median graph-replay time of `a` and of `b` (lists of replay functions), timed in alternating
+    rounds a, b, a, b, ...: both see the same clock and power state. Also returns b's round range."""
+    times_a, times_b = [], []
+    for _ in range(rounds):
+        times_a.append(time_us(a))
+        times_b.append(time_us(b))
+    return statistics.median(times_a), statistics.median(times_b), (min(times_b), max(times_b))
 
 
 def main():
@@ -94,6 +114,7 @@ def main():
     p.add_argument("--presets", nargs="+", choices=list(tq.PRESETS), default=list(tq.PRESETS))
     p.add_argument("--shapes", choices=list(SHAPES), default="default")
     p.add_argument("--num-splits", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of SDPA and ours per row")
     p.add_argument("--out", default=None, help="append the markdown table to this file")
     a = p.parse_args()
     torch.manual_seed(0)
@@ -102,11 +123,11 @@ def main():
     lines = [f"Decode, D={HEAD_DIM}, block_size {BLOCK_SIZE}, {name}, copy bandwidth {copy_bw:.0f} GB/s "
              f"(read+write); {datetime.date.today()}", "",
              "| B | Hq | Hkv | L | preset | splits | us (graph) | GB/s packed | % copy BW | SDPA bf16 us (graph, backend) "
-             "| speed-up | eager us: ours / SDPA | us (graph, timed first) |",
+             "| speed-up | eager us: ours / SDPA | ours' rounds, min-max us |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
     for (b, hq, hkv, length) in SHAPES[a.shapes]:
-        sdpa_eager_us, _, sdpa_us, backend = sdpa_best_us(b, hq, hkv, length, graphed=True)
+        sdpa_eager_us, _, _, backend, sdpa_replays = sdpa_best(b, hq, hkv, length)
         for preset in a.presets:
             slot = tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
             packed = b * hkv * length * slot
@@ -114,26 +135,19 @@ def main():
             q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
             fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, a.num_splits) for c in caches]
-            # Graphs timed, then eager calls, then the graphs again; the headline is the second graph
-            # timing, the order in which sdpa_best_us times SDPA's graphs (after its eager calls).
-            # The first one follows SDPA's baseline, which runs the card into its 700 W power cap:
-            # session 16 logged the SM clock at 1380-1965 MHz there (gpu_run.sh's clock log), and
-            # the large shapes' first graph timing 5-10 % above the second (call 3, 4bit_nc:
-            # (16,64,8,16384) 101.6 / 93.7 us, (64,32,8,4096) 103.3 / 91.5) where eager and the
-            # second agree. Both are printed.
-            replays = graph_replays(fns)
-            first_us = time_us(replays)
             eager_us = time_us(fns)
-            us = time_us(replays)
+            sdpa_us, us, (low, high) = alternating_rounds_us(sdpa_replays, graph_replays(fns), a.rounds)
             gbs = packed / (us * 1e-6) / 1e9
             splits = a.num_splits or "auto"
             row = (f"| {b} | {hq} | {hkv} | {length} | {preset.replace('turboquant_', '')} | {splits} | {us:.1f} | "
                    f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {sdpa_us:.1f} ({backend}) | {sdpa_us / us:.2f}x | "
-                   f"{eager_us:.1f} / {sdpa_eager_us:.1f} | {first_us:.1f} |")
+                   f"{eager_us:.1f} / {sdpa_eager_us:.1f} | {low:.1f}-{high:.1f} |")
             lines.append(row)
             print(row, flush=True)
             del caches
             torch.cuda.empty_cache()
+        del sdpa_replays
+        torch.cuda.empty_cache()
     lines += ["", "Graph replay (one decode step captured), L=1024:", "",
               "| B | preset | replay us |", "|---|---|---|"]
     for b in (1, 2, 4, 8):

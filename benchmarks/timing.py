@@ -53,7 +53,8 @@ def graph_replays(fns: Sequence[Callable[[], object]]) -> list[Callable[[], obje
         with torch.cuda.graph(graph):
             f()
         graphs.append(graph)
-    return [g.replay for g in graphs]
+    # Each replay holds its closure, so the inputs the graph reads stay allocated as long as it does.
+    return [lambda g=g, f=f: g.replay() for g, f in zip(graphs, fns)]
 
 
 def graph_replay_us(fn: Callable[[], object], reps: int = 50, replays_per_rep: int = 20) -> float:
