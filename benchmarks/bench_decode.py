@@ -11,8 +11,8 @@ and whichever is timed right after the other's long run pays for it (session 16-
 timing of ours right after SDPA's baseline was 5-20 % slower than the same graphs a moment later).
 The eager ratio (back-to-back calls, what a Python loop sees) is printed too.
 Prints time, GB/s over the packed bytes, % of copy bandwidth and the speed-up over SDPA bf16;
-then graph-replay latency for small batches. Tables in RESULTS.md before 2026-12-02 (session 3)
-used eager times.
+then graph-replay latency at short contexts for B = 1..8 against SDPA's. Tables in RESULTS.md
+before 2026-12-02 (session 3) used eager times.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from timing import (append_markdown, copies_to_defeat_l2, copy_bandwidth_gbs, graph_replay_us, graph_replays,  # noqa: E402
+from timing import (append_markdown, copies_to_defeat_l2, copy_bandwidth_gbs, graph_replays,  # noqa: E402
                     time_us)
 
 SHAPES = {  # (B, Hq, Hkv, L)
@@ -42,6 +42,9 @@ SHAPES = {  # (B, Hq, Hkv, L)
     # Around the row kernel's selection rule (turboquant/split_plan.h, row_kernel_fills_device:
     # batch x head groups x L/256 x 2 >= SMs), where neither kernel has been timed against the
     # other: `AB_SHAPES=fill gpu_run.sh ab_rows` times both.
+    # Short contexts, where a step is latency (launches, the query set-up, the merge) and SDPA bf16
+    # was faster (session 17): `BREAKDOWN_ARGS="--shapes short ..." gpu_run.sh breakdown`.
+    "short": [(1, 32, 8, 256), (1, 32, 8, 1024), (8, 32, 8, 1024), (1, 32, 8, 4096), (2, 32, 8, 4096)],
     "fill": [(1, 32, 8, 4096), (2, 32, 8, 4096), (4, 32, 8, 4096), (8, 32, 8, 4096), (4, 32, 8, 2048),
              (8, 32, 8, 2048), (16, 32, 8, 2048), (2, 32, 8, 16384)],
 }
@@ -65,14 +68,14 @@ def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_
     return cache, order.view(b, blocks_per_seq).int()
 
 
-def sdpa_best(b, hq, hkv, length):
+def sdpa_best(b, hq, hkv, length, input_sets=None):
     """Best SDPA bf16 over the cuDNN, flash and efficient backends (GQA without expanding K/V when
     the backend allows it). Returns (eager us, its backend, graph-replay us, its backend, that
     backend's graph replays, which keep their inputs) from one pass; a backend that cannot be captured
-    counts for eager only."""
+    counts for eager only. input_sets: how many (default: enough to defeat the L2)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sets = []
-    for _ in range(copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
+    for _ in range(input_sets or copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
         q = torch.randn(b, hq, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -107,6 +110,31 @@ def alternating_rounds_us(a, b, rounds):
         times_a.append(time_us(a))
         times_b.append(time_us(b))
     return statistics.median(times_a), statistics.median(times_b), (min(times_b), max(times_b))
+
+
+def short_context_lines(rounds):
+    """Graph replay of one decode step at short contexts, B = 1..8 (latency-bound: launches, the
+    query set-up, the merge), against SDPA bf16's best graph on the same shape, timed in
+    alternating rounds. One input set each: the data is L2-resident, as the launch latency is what
+    this table is about."""
+    lines = ["", "Graph replay of one decode step at short contexts (Hq 32, Hkv 8; one input set, L2-resident):", "",
+             "| B | L | SDPA bf16 us (backend) | 4bit_nc us | speed-up | k8v4 us | speed-up |", "|---|---|---|---|---|---|---|"]
+    for length in (256, 1024, 4096):
+        for b in (1, 2, 4, 8):
+            _, _, _, backend, sdpa_replays = sdpa_best(b, 32, 8, length, input_sets=1)
+            cells = []
+            for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
+                cache, bt = build_cache(preset, b, 8, length)
+                q = torch.randn(b, 32, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                sl = torch.full((b,), length, dtype=torch.int32, device="cuda")
+                ours = graph_replays([lambda: tq.decode(q, cache, bt, sl, preset, HEAD_DIM ** -0.5)])
+                sdpa_us, us, _ = alternating_rounds_us(sdpa_replays, ours, rounds)
+                cells.append((sdpa_us, us))
+            sdpa_us = statistics.median(c[0] for c in cells)
+            lines.append(f"| {b} | {length} | {sdpa_us:.1f} ({backend}) | "
+                         + " | ".join(f"{us:.1f} | {s_us / us:.2f}x" for s_us, us in cells) + " |")
+            print(lines[-1], flush=True)
+    return lines
 
 
 def main():
@@ -148,16 +176,7 @@ def main():
             torch.cuda.empty_cache()
         del sdpa_replays
         torch.cuda.empty_cache()
-    lines += ["", "Graph replay (one decode step captured), L=1024:", "",
-              "| B | preset | replay us |", "|---|---|---|"]
-    for b in (1, 2, 4, 8):
-        for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
-            cache, bt = build_cache(preset, b, 8, 1024)
-            q = torch.randn(b, 32, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            sl = torch.full((b,), 1024, dtype=torch.int32, device="cuda")
-            us = graph_replay_us(lambda: tq.decode(q, cache, bt, sl, preset, HEAD_DIM ** -0.5))
-            lines.append(f"| {b} | {preset.replace('turboquant_', '')} | {us:.1f} |")
-            print(lines[-1], flush=True)
+    lines += short_context_lines(a.rounds)
     append_markdown(a.out, lines)
 
 

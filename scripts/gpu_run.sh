@@ -140,9 +140,11 @@ if has speed; then  # context/batch sweep, plots and section in benchmarks/RESUL
 fi
 # Stall reasons of one kernel, overall and per SASS instruction: ncu_profile NAME KERNEL_REGEX ARGS...
 # (ARGS: those of benchmarks/profile_kernels.py, e.g. decode, store, varlen --q-len 16)
+# NCU_ARGS adds ncu options, e.g. "--warp-sampling-interval 0" (a sample every 32 cycles) for a
+# kernel of a few microseconds, where the default interval leaves a few dozen samples.
 ncu_profile() {
   local name=$1 kernel=$2; shift 2
-  timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
+  timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 ${NCU_ARGS:-} \
     --set full --import-source yes -o "$OUT/$name" -f "$PYTHON" benchmarks/profile_kernels.py "$@" > "$OUT/ncu_run_$name.log" 2>&1 || status=1
   ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$name.csv" 2>&1

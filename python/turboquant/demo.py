@@ -100,7 +100,9 @@ def run(device: str, batch: int, context: int, q_heads: int, kv_heads: int, head
         dense_v = values.to(device, torch.bfloat16).transpose(1, 2).repeat_interleave(q_heads // kv_heads, dim=1)
         q4 = query.to(device, torch.bfloat16).unsqueeze(2)
         sdpa_us = _time_cuda(lambda: torch.nn.functional.scaled_dot_product_attention(q4, dense_k, dense_v, scale=scale))
-        speed = f"SDPA bf16 decode on a dense cache (GQA expanded): {sdpa_us:.1f} us per step"
+        speed = (f"SDPA bf16 decode on a dense cache (GQA expanded): {sdpa_us:.1f} us per step. Both timed as single "
+                 "eager calls, which launch overhead dominates at this size; under CUDA-graph replay SDPA's best "
+                 "backend is faster than turboquant below ~4k tokens at small batch (benchmarks/RESULTS.md).")
     print()
     header = "| preset | bytes/token/head | vs bf16 | key rel. MSE | attention rel. error |"
     if device == "cuda":
