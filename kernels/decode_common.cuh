@@ -108,15 +108,23 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
   }
 }
 
-// Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the FWHT for
-// Lloyd-Max keys (the butterflies of fwht_inplace), plus the codebook's pair
+// The FWHT of the query columns: in registers by each column's warp where a CTA stages more than
+// 8 columns (the chunked and row kernels: 7 barrier rounds of 16 butterflies per thread
+// otherwise); in shared memory for the per-head kernel's 8, whose main loop compiles 40
+// instructions longer per tile with the register version (its pair-table lookups lose their
+// uniform base register; SASS, nvcc 13.0).
+template <int kColumns>
+constexpr bool warp_fwht_columns() { return kColumns > kDecodeColumns; }
+
+// Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the warp FWHT
+// where warp_fwht_columns (otherwise rotate_query_columns rotates them), plus the codebook's pair
 // table replicated once per bank (word pair * kPairStrideWords + lane) for Lloyd-Max keys of
 // kKeyBits bits (a stride of 64 words: see pair_entry in decode_tile.cuh).
 // Every thread of the CTA (kThreads) calls it; qs and the table are visible to all when it returns.
 template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
           typename T>
-__device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
-                                                    const QueryColumns& columns, const Codebook& codebook) {
+__device__ __forceinline__ void load_query_columns(float* qs, uint32_t* pair_table, const T* query,
+                                                   const QueryColumns& columns, const Codebook& codebook) {
   // Warp w loads columns w, w + kWarps, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
   // issued before any is used: one global round trip per batch instead of one per element group
   // (the loop that guarded each load by its column compiled to serialized loads: 4 round trips per
@@ -127,11 +135,7 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   constexpr int kColumnsPerWarp = kColumns / kWarps, kPerLane = D / 32;
   constexpr int kBatch = kColumnsPerWarp < 4 ? kColumnsPerWarp : 4;
   static_assert(kColumnsPerWarp % kBatch == 0, "whole batches");
-  // The FWHT: in registers by each column's warp for the chunked kernel (64 columns: 7 barrier
-  // rounds of 16 butterflies per thread otherwise); in shared memory for the decode kernel's 8,
-  // whose main loop compiles 40 instructions longer per tile with the register version (its
-  // pair-table lookups lose their uniform base register; SASS, nvcc 13.0).
-  constexpr bool kWarpFwht = kColumns > kDecodeColumns;
+  constexpr bool kWarpFwht = warp_fwht_columns<kColumns>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll 1
   for (int c0 = 0; c0 < kColumnsPerWarp; c0 += kBatch) {
@@ -171,7 +175,14 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
     }
   }
   __syncthreads();
-  if constexpr (kLloydMax && !kWarpFwht) {
+}
+
+// The shared-memory FWHT of load_query_columns' columns for Lloyd-Max keys (the butterflies of
+// fwht_inplace; nothing to do where the warps rotated them, or for fp8 keys). Every thread of the
+// CTA calls it; the rotated columns are visible to all when it returns.
+template <int D, int kColumns, bool kLloydMax, int kThreads = kDecodeThreads>
+__device__ __forceinline__ void rotate_query_columns(float* qs, const QueryColumns& columns) {
+  if constexpr (kLloydMax && !warp_fwht_columns<kColumns>()) {
     // Unused columns are zeros and stay zeros: rotate the used ones only (a decode at GQA 4 uses 4 of 8).
     const int used = columns.count() < kColumns ? columns.count() : kColumns;
     for (int h = 1; h < D; h <<= 1) {
@@ -186,6 +197,16 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
       __syncthreads();
     }
   }
+}
+
+// Both: the query columns staged and rotated, and the pair table.
+template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
+          typename T>
+__device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
+                                                    const QueryColumns& columns, const Codebook& codebook) {
+  load_query_columns<D, kColumns, kLloydMax, kKeyBits, kPairStrideWords, kThreads>(qs, pair_table, query, columns,
+                                                                                  codebook);
+  rotate_query_columns<D, kColumns, kLloydMax, kThreads>(qs, columns);
 }
 
 // The online softmax's exponent base m is raised to kSoftmaxHeadroom (log2 domain) above the
