@@ -1,7 +1,7 @@
 """Decode benchmark: turboquant decode on the packed paged cache vs torch SDPA bf16 on a dense
 cache of the same shape (best of its backends), in one process, plus the copy bandwidth.
 
-    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab|fill] [--out results.md]
+    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab|short|fill] [--rounds 5] [--out results.md]
 
 Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation,
 so small shapes measure the kernels rather than Python and launch overhead. Ours and SDPA's graphs
