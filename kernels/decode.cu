@@ -12,7 +12,7 @@
 //     window from one number per tile in a register (the tile's first slot address mod 32);
 //   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
 //     with fragments dequantized in registers, online softmax in the log2 domain; the query
-//     columns are rotated once per CTA by an FWHT in shared memory.
+//     columns are rotated once per CTA, each by its warp's FWHT in registers.
 // Warps combine in shared memory; with several splits the merge kernel (decode_merge.cu)
 // combines the per-split results by log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
 #include <cuda_runtime.h>
@@ -81,21 +81,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int b = chunk.seq;
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
-  // Set-up as three overlapped global round trips, not four in a row (ncu SASS, (1,32,8,256),
-  // session 17): the sequence length loads with the query (the clamp used to consume it before the
-  // query's loads issued), and the first block ids load before the query's rotation, whose seven
-  // barriers hide their latency, instead of after it.
-  const int raw_seq_len = p.seq_lens[b];
+  // Set-up: this warp's query column, the sequence length and then the first block ids are all
+  // loaded before the query is used, so the warp FWHT, the pair table and the barrier hide the
+  // block ids' latency. (ptxas still places the length's clamp, on the block ids' path, ahead of
+  // the query's loads; the whole reordering measured 0.1 us at short contexts, session 18.)
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
-
-  // ---- query columns -> shared memory (fp32) and the pair table
-  float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
-  load_query_columns<D, kHeads, !C::kFp8Key, C::KB>(qs, pair_table, static_cast<const T*>(p.query), columns,
-                                                              p.codebook);
+  using Staging = QueryStaging<D, kHeads, kThreads>;
+  static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
+  T q_raw[Staging::kBatch][Staging::kPerLane];
+  Staging::load(q_raw, static_cast<const T*>(p.query), columns, 0);
+  const int raw_seq_len = p.seq_lens[b];
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
-  const int limit0 = columns.limit(2 * c), limit1 = columns.limit(2 * c + 1);  // this thread's score columns
-  const TokenRange range = split_token_range(columns.limit(num_columns - 1), p.num_splits, split);
+  auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
+  const TokenRange range = split_token_range(limit(num_columns - 1), p.num_splits, split);
 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
@@ -122,13 +121,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
                ? block * p.cache.stride_block + (t0 & (block_size - 1)) * p.cache.stride_token + head_offset
                : int64_t(-1);
   };
-  const int first_block_id = load_block_id(0);  // in flight during the rotation
+  const int first_block_id = load_block_id(0);  // in flight during the query staging
   int next_block_id = load_block_id(1);
 
-  // ---- the query columns rotated for Lloyd-Max keys -> B fragments of Q^T (decode_tile.cuh)
-  rotate_query_columns<D, kHeads, !C::kFp8Key>(qs, columns);
+  // ---- the query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table,
+  // then B fragments of Q^T (decode_tile.cuh)
+  float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
+  Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
+  if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
+  __syncthreads();
   uint32_t qf[C::kKSteps][2];
   device::query_fragments<D, C::KB>(qs, g, c, q_multiplier, qf);
+  // This thread's score columns' limits: only the tile loop needs them.
+  const int limit0 = limit(2 * c), limit1 = limit(2 * c + 1);
   __syncthreads();  // the ring reuses qs
   int64_t tile_bases = tile_base(0, first_block_id);
 
@@ -249,34 +254,45 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < num_columns * D; idx += kThreads) {
-    const int h = idx / D, d = idx % D;  // h: the column
+  // Warp w combines column w (and w + kWarps, ...; a decode at GQA 4 has 4): the warps' weights
+  // once per column, then D / 32 dims per lane. (One element per thread and iteration recomputed
+  // the 8 weights and divided for every element: two 226-instruction iterations per thread at GQA 4,
+  // SASS, session 18.)
+  for (int h = warp; h < num_columns; h += kWarps) {
+    const float* col = merge + h * kRow;  // warp w's partials of the column at col + w * kWarpStride
+    constexpr int kWarpStride = kHeads * kRow;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, merge[(w * kHeads + h) * kRow + D]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, col[w * kWarpStride + D]);
     // The combined softmax sum den decides, as in the tile loop (column_saw_tokens): a warp that
     // saw no token weighs 0 with l = 0; one whose only scores were NaN has m = -inf too, but its
     // NaN l and acc reach den and num through the zero weight (0 x NaN), also where every warp's m
     // is -inf (the base is then 0, as in online_softmax_tiles).
     const float base = mx == -INFINITY ? 0.0f : mx;
-    float num = 0.0f, den = 0.0f;
+    float wt[kWarps], zero[kWarps], den = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float* r = merge + (w * kHeads + h) * kRow;
-      const float wt = exp2f(r[D] - base);
-      num += wt * (r[d] + r[D + 2]);
-      den += wt * r[D + 1];
+      wt[w] = exp2f(col[w * kWarpStride + D] - base);
+      den += wt[w] * col[w * kWarpStride + D + 1];
+      zero[w] = col[w * kWarpStride + D + 2];
     }
     const bool any = column_saw_tokens(den);
-    const float out = any ? num / den : 0.0f;
-    const float lse = any ? base + log2f(den) : -INFINITY;
+    const float inv_den = 1.0f / den;  // one division per column (a NaN den makes every output NaN)
     const int64_t row = columns.row(h);
-    if (p.num_splits == 1) {
-      static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
-    } else {
-      p.partial_out[(row * p.num_splits + split) * D + d] = out;
-      if (d == 0) p.partial_lse[row * p.num_splits + split] = lse;
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+      const int d = lane + 32 * e;
+      float num = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) num += wt[w] * (col[w * kWarpStride + d] + zero[w]);
+      const float out = any ? num * inv_den : 0.0f;
+      if (p.num_splits == 1) {
+        static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
+      } else {
+        p.partial_out[(row * p.num_splits + split) * D + d] = out;
+      }
     }
+    if (p.num_splits != 1 && lane == 0) p.partial_lse[row * p.num_splits + split] = any ? base + log2f(den) : -INFINITY;
   }
 }
 

@@ -108,105 +108,98 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
   }
 }
 
-// The FWHT of the query columns: in registers by each column's warp where a CTA stages more than
-// 8 columns (the chunked and row kernels: 7 barrier rounds of 16 butterflies per thread
-// otherwise); in shared memory for the per-head kernel's 8, whose main loop compiles 40
-// instructions longer per tile with the register version (its pair-table lookups lose their
-// uniform base register; SASS, nvcc 13.0).
-template <int kColumns>
-constexpr bool warp_fwht_columns() { return kColumns > kDecodeColumns; }
+// j / heads for a query column j < 64 without an integer division (~20 instructions each time):
+// the quotient's fraction stays >= 0.5 / heads from an integer, far above the fast reciprocal's
+// error.
+__device__ __forceinline__ int column_token(int j, int heads) {
+  return __float2int_rz(__fdividef(static_cast<float>(j) + 0.5f, static_cast<float>(heads)));
+}
 
-// Query columns -> qs[kColumns][D] in fp32 (zeros for unused columns), rotated by the warp FWHT
-// where warp_fwht_columns (otherwise rotate_query_columns rotates them), plus the codebook's pair
-// table replicated once per bank (word pair * kPairStrideWords + lane) for Lloyd-Max keys of
-// kKeyBits bits (a stride of 64 words: see pair_entry in decode_tile.cuh).
-// Every thread of the CTA (kThreads) calls it; qs and the table are visible to all when it returns.
-template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
-          typename T>
-__device__ __forceinline__ void load_query_columns(float* qs, uint32_t* pair_table, const T* query,
-                                                   const QueryColumns& columns, const Codebook& codebook) {
-  // Warp w loads columns w, w + kWarps, ... (lane: dims lane + 32e), a batch of up to 4 columns' loads
-  // issued before any is used: one global round trip per batch instead of one per element group
-  // (the loop that guarded each load by its column compiled to serialized loads: 4 round trips per
-  // decode CTA, 32 per chunked CTA). Batches of 4 keep the chunked kernel's loop free of spills.
-  // Unused columns read row 0 (a launch with no query rows returns before this) and store zeros.
-  constexpr int kWarps = kThreads / 32;  // of the CTA (kDecodeWarps, or more in the row kernel)
+// Query staging, every thread of the CTA (kThreads) taking part: warp w stages columns w, w + kWarps,
+// ... of qs[kColumns][D] in fp32 (zeros for unused columns), rotated for Lloyd-Max keys by the
+// warp FWHT in registers (no barriers: the per-head kernel's shared-memory FWHT took 7 barrier
+// rounds and ~400 instructions per warp, ~1.3 us of a 9 us step at short contexts, session 17),
+// in batches of up to 4 columns whose loads issue before any is used: one global round trip per
+// batch instead of one per element group (the loop that guarded each load by its column compiled
+// to serialized loads). Batches of 4 keep the chunked kernel's loop free of spills. Unused columns
+// read row 0 (a launch with no query rows returns before this) and store zeros.
+template <int D, int kColumns, int kThreads>
+struct QueryStaging {
+  static constexpr int kWarps = kThreads / 32;  // of the CTA (kDecodeWarps, or more in the row kernel)
   static_assert(kColumns % kWarps == 0 && D % 32 == 0, "query staging layout");
-  constexpr int kColumnsPerWarp = kColumns / kWarps, kPerLane = D / 32;
-  constexpr int kBatch = kColumnsPerWarp < 4 ? kColumnsPerWarp : 4;
+  static constexpr int kColumnsPerWarp = kColumns / kWarps, kPerLane = D / 32;
+  static constexpr int kBatch = kColumnsPerWarp < 4 ? kColumnsPerWarp : 4;
   static_assert(kColumnsPerWarp % kBatch == 0, "whole batches");
-  constexpr bool kWarpFwht = warp_fwht_columns<kColumns>();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll 1
-  for (int c0 = 0; c0 < kColumnsPerWarp; c0 += kBatch) {
-    T raw[kBatch][kPerLane];
+  static_assert(kColumns <= 64, "load: the division-free column -> token");
+
+  // Issues the loads of the batch of this warp's columns from its c0-th column on (lane: dims lane + 32e).
+  template <typename T>
+  __device__ __forceinline__ static void load(T (&raw)[kBatch][kPerLane], const T* query, const QueryColumns& columns,
+                                              int c0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
       const int j = warp + (c0 + c) * kWarps;
-      const int64_t base = j < columns.count() ? columns.row(j) * D : 0;
+      const int64_t row = columns.row(j, column_token(j, columns.heads));  // computed for every column: a select, not a branch
+      const int64_t base = (j < columns.count() ? row : 0) * D;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) raw[c][e] = query[base + lane + 32 * e];
     }
+  }
+
+  // The loaded batch -> qs, rotated for Lloyd-Max keys.
+  template <bool kLloydMax, typename T>
+  __device__ __forceinline__ static void store(float* qs, const T (&raw)[kBatch][kPerLane], const QueryColumns& columns,
+                                               int c0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
       const int j = warp + (c0 + c) * kWarps;
       float x[kPerLane];
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) x[e] = j < columns.count() ? to_float(raw[c][e]) : 0.0f;
-      if constexpr (kLloydMax && kWarpFwht) {
+      if constexpr (kLloydMax) {
         if (j < columns.count()) warp_fwht(x, lane);  // warp-uniform; unused columns stay zeros
       }
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) qs[j * D + lane + 32 * e] = x[e];
     }
   }
-  if constexpr (kLloydMax) {
-    // Four replicas per 16-byte store (pair_table is 16-byte aligned): 8 stores per thread for
-    // 4-bit keys instead of 32 single-word ones, a quarter of the centroid reads.
-    constexpr uint32_t mask = (1u << kKeyBits) - 1u;
-    constexpr int kQuads = (1 << (2 * kKeyBits)) * 32 / 4;
-    static_assert(kQuads % kThreads == 0, "whole rounds of quads");
+};
+
+// The codebook's pair table for Lloyd-Max keys of kKeyBits bits, replicated once per bank (word
+// pair * kPairStrideWords + lane; a stride of 64 words: see pair_entry in decode_tile.cuh). Four
+// replicas per 16-byte store (pair_table is 16-byte aligned): 8 stores per thread for 4-bit keys
+// instead of 32 single-word ones, a quarter of the centroid reads.
+template <int kKeyBits, int kPairStrideWords, int kThreads>
+__device__ __forceinline__ void stage_pair_table(uint32_t* pair_table, const Codebook& codebook) {
+  constexpr uint32_t mask = (1u << kKeyBits) - 1u;
+  constexpr int kQuads = (1 << (2 * kKeyBits)) * 32 / 4;
+  static_assert(kQuads % kThreads == 0, "whole rounds of quads");
 #pragma unroll 2
-    for (int i = threadIdx.x; i < kQuads; i += kThreads) {
-      const uint32_t pair = static_cast<uint32_t>(i) >> 3;  // words 4i .. 4i + 3: replicas of one pair
-      const uint32_t w = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
-      const int at = kPairStrideWords == 32 ? i : static_cast<int>(pair) * (kPairStrideWords / 4) + (i & 7);
-      reinterpret_cast<uint4*>(pair_table)[at] = make_uint4(w, w, w, w);
-    }
-  }
-  __syncthreads();
-}
-
-// The shared-memory FWHT of load_query_columns' columns for Lloyd-Max keys (the butterflies of
-// fwht_inplace; nothing to do where the warps rotated them, or for fp8 keys). Every thread of the
-// CTA calls it; the rotated columns are visible to all when it returns.
-template <int D, int kColumns, bool kLloydMax, int kThreads = kDecodeThreads>
-__device__ __forceinline__ void rotate_query_columns(float* qs, const QueryColumns& columns) {
-  if constexpr (kLloydMax && !warp_fwht_columns<kColumns>()) {
-    // Unused columns are zeros and stay zeros: rotate the used ones only (a decode at GQA 4 uses 4 of 8).
-    const int used = columns.count() < kColumns ? columns.count() : kColumns;
-    for (int h = 1; h < D; h <<= 1) {
-      for (int t = threadIdx.x; t < used * (D / 2); t += kThreads) {
-        const int row = t / (D / 2), k = t % (D / 2);
-        const int j = (k / h) * 2 * h + (k % h);
-        float* q_row = qs + row * D;
-        const float x = q_row[j], y = q_row[j + h];
-        q_row[j] = x + y;
-        q_row[j + h] = x - y;
-      }
-      __syncthreads();
-    }
+  for (int i = threadIdx.x; i < kQuads; i += kThreads) {
+    const uint32_t pair = static_cast<uint32_t>(i) >> 3;  // words 4i .. 4i + 3: replicas of one pair
+    const uint32_t w = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
+    const int at = kPairStrideWords == 32 ? i : static_cast<int>(pair) * (kPairStrideWords / 4) + (i & 7);
+    reinterpret_cast<uint4*>(pair_table)[at] = make_uint4(w, w, w, w);
   }
 }
 
-// Both: the query columns staged and rotated, and the pair table.
+// The query columns staged (QueryStaging) and the pair table for Lloyd-Max keys. Every thread of
+// the CTA calls it; qs and the table are visible to all when it returns.
 template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
           typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
                                                     const QueryColumns& columns, const Codebook& codebook) {
-  load_query_columns<D, kColumns, kLloydMax, kKeyBits, kPairStrideWords, kThreads>(qs, pair_table, query, columns,
-                                                                                  codebook);
-  rotate_query_columns<D, kColumns, kLloydMax, kThreads>(qs, columns);
+  using Staging = QueryStaging<D, kColumns, kThreads>;
+#pragma unroll 1
+  for (int c0 = 0; c0 < Staging::kColumnsPerWarp; c0 += Staging::kBatch) {
+    T raw[Staging::kBatch][Staging::kPerLane];
+    Staging::load(raw, query, columns, c0);
+    Staging::template store<kLloydMax>(qs, raw, columns, c0);
+  }
+  if constexpr (kLloydMax) stage_pair_table<kKeyBits, kPairStrideWords, kThreads>(pair_table, codebook);
+  __syncthreads();
 }
 
 // The online softmax's exponent base m is raised to kSoftmaxHeadroom (log2 domain) above the

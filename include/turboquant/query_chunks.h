@@ -102,11 +102,13 @@ struct QueryColumns {
   int seq_len;      // cached tokens of the sequence, the chunk's own included (clamped)
   int num_q_heads;  // row stride of the query, in heads
   TQ_HD int count() const { return chunk.tokens * heads; }
-  TQ_HD int limit(int j) const {
-    return j < count() ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + j / heads) : 0;
+  TQ_HD int limit(int j) const { return limit(j, j / heads); }
+  TQ_HD int limit(int j, int token) const {  // the same, given token = j / heads
+    return j < count() ? causal_limit(seq_len, chunk.q_len, chunk.pos0 + token) : 0;
   }
-  TQ_HD int64_t row(int j) const {  // index of the column's [head_dim] vector in query and out
-    return static_cast<int64_t>(chunk.row0 + j / heads) * num_q_heads + head0 + j % heads;
+  TQ_HD int64_t row(int j) const { return row(j, j / heads); }  // index of the column's [head_dim] vector in query and out
+  TQ_HD int64_t row(int j, int token) const {  // the same, given token = j / heads
+    return static_cast<int64_t>(chunk.row0 + token) * num_q_heads + head0 + (j - token * heads);
   }
 };
 
