@@ -13,8 +13,9 @@
 //   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
 //     with fragments dequantized in registers, online softmax in the log2 domain; the query
 //     columns are rotated once per CTA, each by its warp's FWHT in registers.
-// Warps combine in shared memory; with several splits the merge kernel (decode_merge.cu)
-// combines the per-split results by log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
+// Warps combine in shared memory; with several splits the CTAs of a cluster (2 splits,
+// merge_cluster_splits) or the merge kernel (decode_merge.cu) combine the per-split results by
+// log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,14 +51,16 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   static constexpr int kRingBytes = kWarps * kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kHeads * D * 4;
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 3) * 4;
+  // Beside the warps' partials: the CTA's results when its cluster merges the splits (outputs, then log-sum-exps).
+  static constexpr int kSplitResultBytes = kHeads * (D + 1) * 4;
   static constexpr int kScratchBytes =
-      cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes)), 16) * 16;
+      cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes + kSplitResultBytes)), 16) * 16;
   static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
 };
 
 template <class C, typename T>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p, const float q_multiplier,
-                                                          const int head_chunks) {
+                                                          const int head_chunks, const bool cluster_splits) {
   using namespace device;
   constexpr int D = C::D;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -237,6 +240,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   float* merge = reinterpret_cast<float*>(scratch);  // [kWarps][kHeads][D + 3]: acc, m, l, z
   constexpr int kRow = D + 3;
   float* mine = merge + warp * kHeads * kRow;
+  float* split_outs = merge + kWarps * kHeads * kRow;  // [kHeads][D], then split_lses [kHeads]: cluster_splits only
+  float* split_lses = split_outs + kHeads * D;
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) {
     const int d = g * (D / 8) + 2 * i;
@@ -278,7 +283,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     }
     const bool any = column_saw_tokens(den);
     const float inv_den = 1.0f / den;  // one division per column (a NaN den makes every output NaN)
-    const int64_t row = columns.row(h);
+    const float lse = any ? base + log2f(den) : -INFINITY;
+    const int64_t row = columns.row(h, column_token(h, num_heads));
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int d = lane + 32 * e;
@@ -286,13 +292,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) num += wt[w] * (col[w * kWarpStride + d] + zero[w]);
       const float out = any ? num * inv_den : 0.0f;
-      if (p.num_splits == 1) {
+      if (cluster_splits) {
+        split_outs[h * D + d] = out;
+      } else if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
       } else {
         p.partial_out[(row * p.num_splits + split) * D + d] = out;
       }
     }
-    if (p.num_splits != 1 && lane == 0) p.partial_lse[row * p.num_splits + split] = any ? base + log2f(den) : -INFINITY;
+    if (lane == 0 && cluster_splits) split_lses[h] = lse;
+    if (lane == 0 && !cluster_splits && p.num_splits != 1) p.partial_lse[row * p.num_splits + split] = lse;
+  }
+  if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
+    merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v) {
+      static_cast<T*>(p.out)[columns.row(h, column_token(h, num_heads)) * D + d] = from_float<T>(v);
+    });
   }
 }
 
@@ -312,6 +326,14 @@ KernelResidency prepare_decode_kernel() {
   return opt_in_kernel<decode_kernel<C, T>>(kThreads, C::kSmemBytes);
 }
 
+// Whether the per-head kernel merges up to kMaxClusterSplits splits inside a cluster (where the
+// device can run the cluster) rather than with the merge kernel; TURBOQUANT_SPLIT_MERGE=cluster|kernel
+// forces one (tests and A/B runs in one build; read once per process).
+static bool merge_splits_in_cluster() {
+  static const int forced = env_kernel_choice("TURBOQUANT_SPLIT_MERGE", "cluster", "kernel");
+  return forced != 2;
+}
+
 struct LaunchDecode {
   const DecodeParams& p;
   cudaStream_t stream;
@@ -322,7 +344,20 @@ struct LaunchDecode {
     const int head_chunks = head_chunks_of(p);
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, query_chunks_of(p));
-    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks);
+    if (merge_splits_in_cluster() &&
+        cluster_launch_fits<decode_kernel<C, T>, kMaxClusterSplits>(kThreads, C::kSmemBytes, p.num_splits)) {
+      // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = C::kSmemBytes;
+      config.stream = stream;
+      cudaLaunchAttribute cluster = cluster_y_attribute(p.num_splits);
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, p, q_multiplier, head_chunks, true);
+    }
+    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks, false);
     err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
     return launch_decode_merge(p, stream);

@@ -2,6 +2,9 @@
 dense K/V from dequantize; graphs, compile and streams. Skipped (saying why) without a GPU."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -243,6 +246,34 @@ def test_decode_matches_cpu(preset, head_dim, group, num_splits):
     assert not out.isnan().any()
     assert (out[0] == 0).all()
     assert rel_err(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_decode_split_merges_match_cpu(head_dim, num_splits):
+    """The per-head kernel (2 KV heads) merges 2 splits inside the cluster of their CTAs over
+    distributed shared memory and more in the merge kernel; empty and one-token sequences leave
+    most of their splits empty, a 16-head group takes two CTAs per (sequence, split), and every
+    output element is checked against the CPU. test_decode_split_merge_kernel_forced reruns these
+    with the merge kernel for every split count."""
+    preset = "turboquant_4bit_nc"
+    cache, bt, sl, _, _ = make_paged_batch([0, 1, 40, 700, 2000], 16, 2, head_dim, preset, seed=num_splits)
+    q = torch.randn(5, 32, head_dim).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
+    out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
+    assert not out.isnan().any()
+    assert (out[0] == 0).all()
+    assert rel_err(out, ref) <= 2e-3
+
+
+def test_decode_split_merge_kernel_forced():
+    """The split-merge tests above with TURBOQUANT_SPLIT_MERGE=kernel (read once per process,
+    hence the subprocess): the per-head kernel's 2 splits then merge in the merge kernel too."""
+    env = dict(os.environ, TURBOQUANT_SPLIT_MERGE="kernel")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "split_merges_match_cpu"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + [96])
