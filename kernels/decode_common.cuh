@@ -331,6 +331,7 @@ __device__ __forceinline__ void fold_split_results(float4& o, float& lse, const 
 template <int D, int kThreads, class Store>
 __device__ __forceinline__ void merge_cluster_splits(const float* outs, const float* lses, int num_columns,
                                                      const Store& store) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: sm_90 on (the launcher checks the build)
   const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   cluster.sync();  // every split's results are in its shared memory
   const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
@@ -376,6 +377,9 @@ __device__ __forceinline__ void merge_cluster_splits(const float* outs, const fl
     store(column, d + 3, acc.w * inv_total);
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
+#else
+  __trap();
+#endif
 }
 
 }  // namespace device

@@ -310,16 +310,10 @@ KernelResidency prepare_rows_kernel() {
   return opt_in_kernel<decode_rows_kernel<C, T>>(C::kThreads, C::kSmemBytes);
 }
 
-// Whether the build holds sm_90 code for the kernel (its bulk copies and barriers compile to
-// traps for older targets, and a PTX-only build JIT-compiled for an H200 would run those).
+// Whether the build holds sm_90 code for the kernel (its bulk copies and barriers).
 template <class C, typename T>
 bool built_for_sm90() {
-  static const bool built = [] {
-    cudaFuncAttributes attributes{};
-    return cudaFuncGetAttributes(&attributes, decode_rows_kernel<C, T>) == cudaSuccess &&
-           attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
-  }();
-  return built;
+  return kernel_built_for_sm90<decode_rows_kernel<C, T>>();
 }
 
 // Visitors over the row kernel's configurations (D <= 128: the others report unsupported).

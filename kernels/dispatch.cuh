@@ -51,6 +51,18 @@ KernelResidency opt_in_kernel(int threads, int smem_bytes) {
   return {cudaSuccess, n};
 }
 
+// Whether the build holds sm_90 code for Kernel (sm_90 features compile to traps for older
+// targets, and a PTX-only build JIT-compiled for an H200 would run those). Asked once per kernel.
+template <auto Kernel>
+bool kernel_built_for_sm90() {
+  static const bool built = [] {
+    cudaFuncAttributes attributes{};
+    return cudaFuncGetAttributes(&attributes, Kernel) == cudaSuccess && attributes.ptxVersion >= 90 &&
+           attributes.binaryVersion >= 90;
+  }();
+  return built;
+}
+
 // The launch attribute for clusters of `cluster_y` CTAs along the grid's y.
 inline cudaLaunchAttribute cluster_y_attribute(int cluster_y) {
   cudaLaunchAttribute a = {};
@@ -62,26 +74,30 @@ inline cudaLaunchAttribute cluster_y_attribute(int cluster_y) {
 }
 
 // Whether the device can run clusters of `cluster_y` CTAs (grid y) of Kernel (opted in already,
-// `threads` and `smem_bytes` as always): sm_90 and later, and room for a whole cluster on one GPC.
-// Asked once per device and cluster size.
+// `threads` and `smem_bytes` as always): an sm_90 or later device, sm_90 code in the build, and
+// room for a whole cluster on one GPC. Asked once per device and cluster size.
 template <auto Kernel, int kMaxCluster>
 bool cluster_launch_fits(int threads, int smem_bytes, int cluster_y) {
   static std::atomic<int> cached[kMaxDevices][kMaxCluster + 1];  // 0 not asked yet, 1 fits, 2 does not
   int device = 0;
-  if (cluster_y < 2 || cluster_y > kMaxCluster || !device_supports_dependent_launch()) return false;
+  if (cluster_y < 2 || cluster_y > kMaxCluster) return false;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
   int answer = cached[device][cluster_y].load(std::memory_order_relaxed);
   if (answer == 0) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(1, cluster_y, 1);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem_bytes;
-    cudaLaunchAttribute cluster = cluster_y_attribute(cluster_y);
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    int clusters = 0;
-    answer = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0 ? 1 : 2;
-    cudaGetLastError();  // a refusal is an answer, not an error for the next launch to report
+    answer = 2;
+    if (device_supports_dependent_launch() && kernel_built_for_sm90<Kernel>()) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(1, cluster_y, 1);
+      config.blockDim = dim3(threads);
+      config.dynamicSmemBytes = smem_bytes;
+      cudaLaunchAttribute cluster = cluster_y_attribute(cluster_y);
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int clusters = 0;
+      const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config);
+      if (status != cudaSuccess) cudaGetLastError();  // a refusal is an answer, not an error for the next launch
+      answer = status == cudaSuccess && clusters > 0 ? 1 : 2;
+    }
     cached[device][cluster_y].store(answer, std::memory_order_relaxed);
   }
   return answer == 1;

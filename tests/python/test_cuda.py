@@ -236,7 +236,7 @@ SEQ_LENS = [0, 1, 17, 300, 1000, 64]
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("num_splits", [1, 5, 0])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 0])  # 2: the per-head kernel's cluster merge
 def test_decode_matches_cpu(preset, head_dim, group, num_splits):
     heads = 2
     cache, bt, sl, _, _ = make_paged_batch(SEQ_LENS, 16, heads, head_dim, preset, seed=group + head_dim)
@@ -301,7 +301,7 @@ def test_decode_dtypes_block_sizes_layouts(dtype, block_size, head_major):
     q = torch.randn(3, 16, 128).to(dtype)
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.09, 3)
     gpu_cache = cache.cuda() if not head_major else cache.transpose(1, 2).contiguous().cuda().transpose(1, 2)
-    for splits in (1, 3, 0):
+    for splits in (1, 2, 3, 0):
         out = tq.decode(q.cuda(), gpu_cache, bt.cuda(), sl.cuda(), preset, 0.09, splits)
         assert out.dtype == dtype
         assert rel_err(out.cpu(), ref) <= 2e-3, splits
