@@ -326,9 +326,9 @@ KernelResidency prepare_decode_kernel() {
   return opt_in_kernel<decode_kernel<C, T>>(kThreads, C::kSmemBytes);
 }
 
-// Whether the per-head kernel merges up to kMaxClusterSplits splits inside a cluster (where the
-// device can run the cluster) rather than with the merge kernel; TURBOQUANT_SPLIT_MERGE=cluster|kernel
-// forces one (tests and A/B runs in one build; read once per process).
+// Whether the per-head kernel may merge up to kMaxClusterSplits splits inside a cluster rather
+// than with the merge kernel: yes unless TURBOQUANT_SPLIT_MERGE=kernel (tests and A/B runs in one
+// build; read once per process; =cluster is the default, still only where cluster_launch_fits).
 static bool merge_splits_in_cluster() {
   static const int forced = env_kernel_choice("TURBOQUANT_SPLIT_MERGE", "cluster", "kernel");
   return forced != 2;
