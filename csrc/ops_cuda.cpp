@@ -105,7 +105,7 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   TQ_CHECK(p.num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be at most ", kMaxDecodeSplits, ", got ",
            p.num_splits);
   at::Tensor partial_out, partial_lse;
-  if (p.num_splits > 1) {
+  if (decode_uses_split_workspace(p)) {  // not where one split or a cluster merge needs none
     const auto f32 = query.options().dtype(at::kFloat);
     const int64_t rows = query.size(0);
     partial_out = at::empty({rows, a.num_q_heads, p.num_splits, a.layout.head_dim}, f32);

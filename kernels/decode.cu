@@ -334,6 +334,14 @@ static bool merge_splits_in_cluster() {
   return forced != 2;
 }
 
+// Whether the per-head kernel of configuration C merges p's splits inside clusters: the launcher
+// and the workspace query (decode_uses_split_workspace) ask this one question.
+template <class C, typename T>
+bool merges_in_cluster(const DecodeParams& p) {
+  return merge_splits_in_cluster() && prepare_decode_kernel<C, T>().status == cudaSuccess &&
+         cluster_launch_fits<decode_kernel<C, T>, kMaxClusterSplits>(kThreads, C::kSmemBytes, p.num_splits);
+}
+
 struct LaunchDecode {
   const DecodeParams& p;
   cudaStream_t stream;
@@ -344,8 +352,7 @@ struct LaunchDecode {
     const int head_chunks = head_chunks_of(p);
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, query_chunks_of(p));
-    if (merge_splits_in_cluster() &&
-        cluster_launch_fits<decode_kernel<C, T>, kMaxClusterSplits>(kThreads, C::kSmemBytes, p.num_splits)) {
+    if (merges_in_cluster<C, T>(p)) {
       // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
       cudaLaunchConfig_t config = {};
       config.gridDim = grid;
@@ -361,6 +368,16 @@ struct LaunchDecode {
     err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
     return launch_decode_merge(p, stream);
+  }
+};
+
+struct MergesInCluster {
+  const DecodeParams& p;
+  bool* merges;
+  template <class C, typename T>
+  cudaError_t run() const {
+    *merges = merges_in_cluster<C, T>(p);
+    return cudaSuccess;
   }
 };
 
@@ -453,6 +470,16 @@ int decode_default_num_splits(const DecodeParams& p) {
                                per_sm, kWarps);
   }
   return std::min(splits, 128);
+}
+
+// The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge
+// through it, the per-head kernel unless its splits merge in a cluster.
+bool decode_uses_split_workspace(const DecodeParams& p) {
+  if (p.num_splits < 2) return false;
+  if (use_chunked_varlen(p) || decode_rows_supports(p)) return true;
+  bool merges = false;
+  visit_decode_config(p, MergesInCluster{p, &merges});
+  return !merges;
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {

@@ -91,6 +91,9 @@ constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) 
 
 // Split-KV count the decode picks for these shapes on the current device.
 int decode_default_num_splits(const DecodeParams& p);
+// Whether launch_decode(p) uses p.partial_out and p.partial_lse (sized for p.num_splits partials
+// per row): not for one split, nor where the per-head kernel merges its splits inside a cluster.
+bool decode_uses_split_workspace(const DecodeParams& p);
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
