@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
@@ -11,7 +11,8 @@
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
 # default 2; AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
-# (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; BREAKDOWN_ARGS
+# (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
+# per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); BREAKDOWN_ARGS
 # (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
@@ -166,15 +167,22 @@ if has profile_varlen; then  # the chunked varlen kernel on a long and a short c
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
 fi
-if has ab_rows; then  # the two plain-decode kernels of this build, alternating processes (TURBOQUANT_DECODE_KERNEL)
-  mark_step ab_rows
+# bench_decode.py on this build under each value of an environment switch, alternating processes
+# for AB_ROUNDS rounds: ab_by_env <step> <variable> <default shape set> <values...>
+ab_by_env() {
+  local step=$1 variable=$2 shapes=$3; shift 3
+  mark_step "$step"
   for round in $(seq "${AB_ROUNDS:-2}"); do
-    for kernel in heads rows; do
-      TURBOQUANT_DECODE_KERNEL=$kernel timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-ab}" \
-        --presets turboquant_4bit_nc turboquant_k8v4 --out "$OUT/ab_rows_$kernel.md" > "$OUT/ab_rows_${kernel}_$round.log" 2>&1 || status=1
+    for value in "$@"; do
+      env "$variable=$value" timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-$shapes}" \
+        --presets turboquant_4bit_nc turboquant_k8v4 --out "$OUT/${step}_$value.md" > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
     done
   done
-  for kernel in heads rows; do echo "== ab_rows: $kernel"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_rows_$kernel.md"; done
+  for value in "$@"; do echo "== $step: $value"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/${step}_$value.md"; done
+}
+if has ab_merge; then ab_by_env ab_merge TURBOQUANT_SPLIT_MERGE short kernel cluster; fi  # the per-head kernel's two split merges
+if has ab_rows; then  # the two plain-decode kernels of this build (TURBOQUANT_DECODE_KERNEL)
+  ab_by_env ab_rows TURBOQUANT_DECODE_KERNEL ab heads rows
   if has splits; then  # the split sweep again with the row kernel forced (the splits step runs the default)
     echo "== decode vs splits, row kernel"
     PYTHONPATH=python TURBOQUANT_DECODE_KERNEL=rows timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits_rows.md" 2>&1 | tee "$OUT/splits_rows.log" | grep -E "^\|" || status=1
