@@ -13,7 +13,7 @@
 //   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
 //     with fragments dequantized in registers, online softmax in the log2 domain; the query
 //     columns are rotated once per CTA, each by its warp's FWHT in registers.
-// Warps combine in shared memory; with several splits the CTAs of a cluster (2 splits,
+// Warps combine in shared memory; with several splits the two CTAs of a cluster (2 splits,
 // merge_cluster_splits) or the merge kernel (decode_merge.cu) combine the per-split results by
 // log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
 #include <cuda_runtime.h>
@@ -242,6 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   float* mine = merge + warp * kHeads * kRow;
   float* split_outs = merge + kWarps * kHeads * kRow;  // [kHeads][D], then split_lses [kHeads]: cluster_splits only
   float* split_lses = split_outs + kHeads * D;
+  auto out_row = [&](int h) { return columns.row(h, column_token(h, num_heads)); };  // column h's row of out
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) {
     const int d = g * (D / 8) + 2 * i;
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const bool any = column_saw_tokens(den);
     const float inv_den = 1.0f / den;  // one division per column (a NaN den makes every output NaN)
     const float lse = any ? base + log2f(den) : -INFINITY;
-    const int64_t row = columns.row(h, column_token(h, num_heads));
+    const int64_t row = out_row(h);
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int d = lane + 32 * e;
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   }
   if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
     merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v) {
-      static_cast<T*>(p.out)[columns.row(h, column_token(h, num_heads)) * D + d] = from_float<T>(v);
+      static_cast<T*>(p.out)[out_row(h) * D + d] = from_float<T>(v);
     });
   }
 }
@@ -326,9 +327,9 @@ KernelResidency prepare_decode_kernel() {
   return opt_in_kernel<decode_kernel<C, T>>(kThreads, C::kSmemBytes);
 }
 
-// Whether the per-head kernel may merge up to kMaxClusterSplits splits inside a cluster rather
-// than with the merge kernel: yes unless TURBOQUANT_SPLIT_MERGE=kernel (tests and A/B runs in one
-// build; read once per process; =cluster is the default, still only where cluster_launch_fits).
+// Whether the per-head kernel may merge kClusterSplits splits inside a cluster rather than with
+// the merge kernel: yes unless TURBOQUANT_SPLIT_MERGE=kernel (tests and A/B runs in one build;
+// read once per process; =cluster is the default, still only where cluster_launch_fits).
 static bool merge_splits_in_cluster() {
   static const int forced = env_kernel_choice("TURBOQUANT_SPLIT_MERGE", "cluster", "kernel");
   return forced != 2;
@@ -338,8 +339,9 @@ static bool merge_splits_in_cluster() {
 // and the workspace query (decode_uses_split_workspace) ask this one question.
 template <class C, typename T>
 bool merges_in_cluster(const DecodeParams& p) {
-  return merge_splits_in_cluster() && prepare_decode_kernel<C, T>().status == cudaSuccess &&
-         cluster_launch_fits<decode_kernel<C, T>, kMaxClusterSplits>(kThreads, C::kSmemBytes, p.num_splits);
+  return p.num_splits == kClusterSplits && merge_splits_in_cluster() &&
+         prepare_decode_kernel<C, T>().status == cudaSuccess &&
+         cluster_launch_fits<decode_kernel<C, T>, kClusterSplits>(kThreads, C::kSmemBytes);
 }
 
 struct LaunchDecode {

@@ -17,12 +17,12 @@ namespace turboquant {
 constexpr int kDecodeWarps = 8;  // per CTA, in both decode kernels
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
-// Splits merged inside a cluster (merge_cluster_splits): two. Measured (H200, graph replay, session
+// Splits merged inside a cluster (merge_cluster_splits): exactly two. Measured (H200, graph replay, session
 // 18, against the merge kernel in the same build): 2-CTA clusters at B = 8, L = 1k (128 CTAs) took
 // the step from 16.4 to 14.8 us; clusters of 4, 8 and 16 CTAs over 128 CTAs made it 3-7 us slower
 // (B = 4 L = 1k 11.5 -> 14.8, B = 1 L = 4k 11.9 -> 15.5, B = 4 L = 4k 19.0 -> 26.6), with or without
 // the spread scheduling policy; over 32-64 CTAs they were even.
-constexpr int kMaxClusterSplits = 2;
+constexpr int kClusterSplits = 2;
 constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // Host helpers of the decode launchers. The query is pre-scaled once per CTA: softmax scale,
@@ -317,66 +317,42 @@ __device__ __forceinline__ void fold_split_results(float4& o, float& lse, const 
   lse = mx + log2f(w0 + w1);
 }
 
-// ---- the split merge inside a thread-block cluster (the per-head kernel, up to kMaxClusterSplits
-// splits): the CTAs of a cluster are the splits of one (query chunk, head group), and they merge
+// ---- the split merge inside a thread-block cluster (the per-head kernel with kClusterSplits
+// splits): the cluster's two CTAs are the splits of one (query chunk, head group), and they merge
 // over distributed shared memory at the end instead of through a workspace and a second launch,
 // whose tail after the decode kernel took 1.7-2.8 us of a 10-17 us short-context step (graph
 // replay, H200, session 17).
 
-// Every split's normalized outputs outs[column][D] and log-sum-exps lses[column] (log2 domain) in
-// its CTA's shared memory -> the merged outputs, by the merge kernel's rule (decode_merge.cu: the
-// weights 2^(lse - max), an empty split weighing 0 and never multiplied in, a NaN split making
-// the output NaN), each CTA of the cluster a slice of the (column, dim) elements, written through
-// store(column, dim, value). outs is 16-byte aligned. Every thread of every CTA of the cluster calls it.
+// Both splits' normalized outputs outs[column][D] and log-sum-exps lses[column] (log2 domain), in
+// the shared memory of each CTA of the cluster -> the merged outputs, folded by
+// fold_split_results (the merge kernel's rule), each CTA half of the (column, dim) elements,
+// written through store(column, dim, value). outs is 16-byte aligned. Every thread of both CTAs
+// calls it.
 template <int D, int kThreads, class Store>
 __device__ __forceinline__ void merge_cluster_splits(const float* outs, const float* lses, int num_columns,
                                                      const Store& store) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: sm_90 on (the launcher checks the build)
+  static_assert(kClusterSplits == 2 && D % 4 == 0, "a pair of splits, four dims per step");
   const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  cluster.sync();  // every split's results are in its shared memory
-  const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  const float* split_outs[kMaxClusterSplits];
-  const float* split_lses[kMaxClusterSplits];
-#pragma unroll
-  for (int s = 0; s < kMaxClusterSplits; ++s) {
-    split_outs[s] = cluster.map_shared_rank(outs, s < splits ? s : 0);
-    split_lses[s] = cluster.map_shared_rank(lses, s < splits ? s : 0);
-  }
-  // Four consecutive dims per thread and step (D is a multiple of 4; outs 16-byte aligned).
-  static_assert(D % 4 == 0, "float4 steps");
-  const int quads = num_columns * (D / 4), per_rank = cdiv(quads, splits);
-  const int end = min(quads, (rank + 1) * per_rank);
+  cluster.sync();  // both splits' results are in their shared memory
+  const float4* outs0 = reinterpret_cast<const float4*>(cluster.map_shared_rank(outs, 0));
+  const float4* outs1 = reinterpret_cast<const float4*>(cluster.map_shared_rank(outs, 1));
+  const float* lses0 = cluster.map_shared_rank(lses, 0);
+  const float* lses1 = cluster.map_shared_rank(lses, 1);
+  const int quads = num_columns * (D / 4), per_rank = cdiv(quads, kClusterSplits);
+  const int rank = static_cast<int>(cluster.block_rank()), end = min(quads, (rank + 1) * per_rank);
   for (int q = rank * per_rank + static_cast<int>(threadIdx.x); q < end; q += kThreads) {
     const int column = q / (D / 4);
-    float lse[kMaxClusterSplits];
-    float4 o[kMaxClusterSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {  // every remote load issued before one is used
-      lse[s] = s < splits ? split_lses[s][column] : -INFINITY;
-      o[s] = s < splits ? reinterpret_cast<const float4*>(split_outs[s])[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    float mx = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) mx = fmaxf(mx, lse[s]);
-    float total = 0.0f;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      const float w = split_weight(lse[s], mx);
-      total += w;
-      acc.x += w != 0.0f ? w * o[s].x : 0.0f;
-      acc.y += w != 0.0f ? w * o[s].y : 0.0f;
-      acc.z += w != 0.0f ? w * o[s].z : 0.0f;
-      acc.w += w != 0.0f ? w * o[s].w : 0.0f;
-    }
-    const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+    float4 o = outs0[q];
+    float lse = lses0[column];
+    fold_split_results(o, lse, outs1[q], lses1[column]);
     const int d = 4 * q - column * D;
-    store(column, d, acc.x * inv_total);
-    store(column, d + 1, acc.y * inv_total);
-    store(column, d + 2, acc.z * inv_total);
-    store(column, d + 3, acc.w * inv_total);
+    store(column, d, o.x);
+    store(column, d + 1, o.y);
+    store(column, d + 2, o.z);
+    store(column, d + 3, o.w);
   }
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  cluster.sync();  // neither CTA leaves while the other still reads its shared memory
 #else
   __trap();
 #endif

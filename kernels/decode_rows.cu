@@ -310,19 +310,14 @@ KernelResidency prepare_rows_kernel() {
   return opt_in_kernel<decode_rows_kernel<C, T>>(C::kThreads, C::kSmemBytes);
 }
 
-// Whether the build holds sm_90 code for the kernel (its bulk copies and barriers).
-template <class C, typename T>
-bool built_for_sm90() {
-  return kernel_built_for_sm90<decode_rows_kernel<C, T>>();
-}
-
 // Visitors over the row kernel's configurations (D <= 128: the others report unsupported).
 struct RowsBuilt {
   bool* built;
   template <class C, typename T>
   cudaError_t run() const {
-    // ... and the device grants its shared memory (a smaller per-block limit fails the opt-in).
-    *built = built_for_sm90<C, T>() && prepare_rows_kernel<C, T>().status == cudaSuccess;
+    // sm_90 code for its bulk copies and barriers in the build, and the device grants its shared
+    // memory (a smaller per-block limit fails the opt-in).
+    *built = kernel_built_for_sm90<decode_rows_kernel<C, T>>() && prepare_rows_kernel<C, T>().status == cudaSuccess;
     return cudaSuccess;
   }
 };

@@ -73,24 +73,23 @@ inline cudaLaunchAttribute cluster_y_attribute(int cluster_y) {
   return a;
 }
 
-// Whether the device can run clusters of `cluster_y` CTAs (grid y) of Kernel (opted in already,
+// Whether the device can run clusters of kClusterY CTAs (grid y) of Kernel (opted in already,
 // `threads` and `smem_bytes` as always): an sm_90 or later device, sm_90 code in the build, and
-// room for a whole cluster on one GPC. Asked once per device and cluster size.
-template <auto Kernel, int kMaxCluster>
-bool cluster_launch_fits(int threads, int smem_bytes, int cluster_y) {
-  static std::atomic<int> cached[kMaxDevices][kMaxCluster + 1];  // 0 not asked yet, 1 fits, 2 does not
+// room for a whole cluster on one GPC. Asked once per device.
+template <auto Kernel, int kClusterY>
+bool cluster_launch_fits(int threads, int smem_bytes) {
+  static std::atomic<int> cached[kMaxDevices];  // 0 not asked yet, 1 fits, 2 does not
   int device = 0;
-  if (cluster_y < 2 || cluster_y > kMaxCluster) return false;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  int answer = cached[device][cluster_y].load(std::memory_order_relaxed);
+  int answer = cached[device].load(std::memory_order_relaxed);
   if (answer == 0) {
     answer = 2;
     if (device_supports_dependent_launch() && kernel_built_for_sm90<Kernel>()) {
       cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(1, cluster_y, 1);
+      config.gridDim = dim3(1, kClusterY, 1);
       config.blockDim = dim3(threads);
       config.dynamicSmemBytes = smem_bytes;
-      cudaLaunchAttribute cluster = cluster_y_attribute(cluster_y);
+      cudaLaunchAttribute cluster = cluster_y_attribute(kClusterY);
       config.attrs = &cluster;
       config.numAttrs = 1;
       int clusters = 0;
@@ -98,7 +97,7 @@ bool cluster_launch_fits(int threads, int smem_bytes, int cluster_y) {
       if (status != cudaSuccess) cudaGetLastError();  // a refusal is an answer, not an error for the next launch
       answer = status == cudaSuccess && clusters > 0 ? 1 : 2;
     }
-    cached[device][cluster_y].store(answer, std::memory_order_relaxed);
+    cached[device].store(answer, std::memory_order_relaxed);
   }
   return answer == 1;
 }
