@@ -4,7 +4,10 @@ for whichever kernel the default picks (TURBOQUANT_DECODE_KERNEL=heads|rows forc
 Evidence for the split rule (issue #4): one row per (shape, preset), graph replay in rotation over
 enough caches to defeat the L2, the default ("auto") next to fixed counts.
 
-    python benchmarks/sweep_splits.py [--out results.md]
+    python benchmarks/sweep_splits.py [--short] [--out results.md]
+
+--short: the short contexts instead (B = 1..8, L = 256..4k, one L2-resident input set, as in
+bench_decode.py's short table), where the split count's lower bound (the tokens a split keeps) rules.
 """
 
 import argparse
@@ -23,25 +26,31 @@ from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us 
 SHAPES = [(1, 32, 8, 32768), (2, 32, 8, 16384), (4, 32, 8, 16384), (8, 32, 8, 8192), (16, 32, 8, 8192)]
 # 64 and 128: the row-staged kernel (decode_rows.cu) runs one CTA per sequence and split at 8 KV heads.
 SPLITS = [0, 1, 2, 4, 8, 16, 33, 64, 128]
+SHORT_SHAPES = [(1, 32, 8, 256), (1, 32, 8, 512), (1, 32, 8, 1024), (2, 32, 8, 1024), (4, 32, 8, 1024),
+                (8, 32, 8, 1024), (1, 32, 8, 2048), (2, 32, 8, 2048), (1, 32, 8, 4096), (2, 32, 8, 4096)]
+SHORT_SPLITS = [0, 1, 2, 4, 8, 16, 32]
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="append the table to this markdown file")
+    p.add_argument("--short", action="store_true", help="short contexts, L2-resident")
     a = p.parse_args()
-    header = ("| B | Hq | Hkv | L | preset | " + " | ".join(f"splits {s or 'auto'} us" for s in SPLITS) + " |\n|"
-              + "---|" * (5 + len(SPLITS)))
-    lines = [f"Decode vs splits, D={HEAD_DIM}, block_size 16, {torch.cuda.get_device_name()}, graph replay", "", header]
+    shapes, splits_list = (SHORT_SHAPES, SHORT_SPLITS) if a.short else (SHAPES, SPLITS)
+    header = ("| B | Hq | Hkv | L | preset | " + " | ".join(f"splits {s or 'auto'} us" for s in splits_list) + " |\n|"
+              + "---|" * (5 + len(splits_list)))
+    lines = [f"Decode vs splits, D={HEAD_DIM}, block_size 16, {torch.cuda.get_device_name()}, graph replay"
+             + (", one input set (L2-resident)" if a.short else ", enough caches to defeat the L2"), "", header]
     print("\n".join(lines), flush=True)
-    for (b, hq, hkv, length) in SHAPES:
+    for (b, hq, hkv, length) in shapes:
         for preset in PRESETS:
             packed = b * hkv * length * tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
-            caches = [build_cache(preset, b, hkv, length, s) for s in range(copies_to_defeat_l2(packed))]
+            caches = [build_cache(preset, b, hkv, length, s) for s in range(1 if a.short else copies_to_defeat_l2(packed))]
             q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
             cells = []
-            for splits in SPLITS:
+            for splits in splits_list:
                 fns = [lambda c=c, s=splits: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, s)
                        for c in caches]
                 cells.append(f"{time_us(graph_replays(fns)):.1f}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
@@ -119,6 +119,16 @@ if has bench; then
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
+fi
+if has short; then  # the short-context shapes and tables only (one and 16 decode steps per graph)
+  mark_step short
+  timeout 400 "$PYTHON" benchmarks/bench_decode.py --shapes short --presets turboquant_4bit_nc turboquant_k8v4 \
+    --out "$OUT/short.md" > "$OUT/bench_short.log" 2>&1 || { status=1; tail -20 "$OUT/bench_short.log"; }
+  cat "$OUT/short.md"
+fi
+if has splits_short; then  # the split count at short contexts (the per-head kernel's lower bound)
+  mark_step splits_short
+  echo "== short decode vs splits"; PYTHONPATH=python timeout 200 "$PYTHON" benchmarks/sweep_splits.py --short --out "$OUT/splits_short.md" || status=1
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
   mark_step breakdown

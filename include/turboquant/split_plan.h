@@ -18,10 +18,11 @@ TQ_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // at once): more waves only add per-CTA set-up, merge work and tail imbalance (measured on the
 // H200, benchmarks/RESULTS.md). Never fewer tokens per split than kMinTokensPerSplit of the
 // largest context the block table can hold.
-TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas) {
+TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas,
+                            int min_tokens_per_split = kMinTokensPerSplit) {
   const int base = batch * ctas_per_split;
   int splits = base > 0 ? resident_ctas / base : 1;
-  const int cap = ceil_div(max_context > 0 ? max_context : 1, kMinTokensPerSplit);
+  const int cap = ceil_div(max_context > 0 ? max_context : 1, min_tokens_per_split);
   if (splits > cap) splits = cap;
   return splits < 1 ? 1 : splits;
 }
@@ -39,12 +40,21 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 //     per split, 16 tiles per warp) filling two per SM is 4-5 % faster than one, at B=1 and B=2
 //     (about 1000 tokens per split, 8 tiles per warp) one per SM is 3-5 % faster.
 // So: two per SM only for Lloyd-Max keys whose splits keep each warp kMinTilesPerWarpTwoPerSm tiles.
+// The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
+// kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
+// Hq 32 Hkv 8, session 19, benchmarks/RESULTS.md): B = 1, L = 1k took 10.6 us in 4 splits (the
+// 256-token cap) and 9.7 in 8, 10.0 in 16; B = 2, L = 1k 11.0 in 4 and 10.6 in 8; at L = 256 one
+// split (8.8 us) and two (9.2; 8.8 with the two merged in a cluster) were even.
 constexpr int kMinTilesPerWarpTwoPerSm = 16;
+TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
+  return warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;
+}
 TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int max_context, int sm_count,
                             int resident_per_sm, int warps_per_range) {
-  const int one_per_sm = default_num_splits(batch, ctas_per_split, max_context, sm_count);
+  const int min_tokens = decode_min_tokens_per_split(warps_per_range);
+  const int one_per_sm = default_num_splits(batch, ctas_per_split, max_context, sm_count, min_tokens);
   if (fp8_keys || resident_per_sm <= 1) return one_per_sm;
-  const int filled = default_num_splits(batch, ctas_per_split, max_context, sm_count * resident_per_sm);
+  const int filled = default_num_splits(batch, ctas_per_split, max_context, sm_count * resident_per_sm, min_tokens);
   const int tiles_per_warp = max_context / filled / (kTokenTile * warps_per_range);
   return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one_per_sm : filled;
 }

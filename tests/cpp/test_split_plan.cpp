@@ -31,7 +31,13 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
   EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 2, 8), 16);  // 33 would be 7 tiles per warp: one per SM
   EXPECT_EQ(decode_num_splits(false, 2, 8, 16384, 132, 2, 8), 8);
   EXPECT_EQ(decode_num_splits(false, 32, 8, 8192, 132, 2, 8), 1);  // the grid fills the SMs unsplit
-  EXPECT_EQ(decode_num_splits(false, 1, 8, 1024, 132, 2, 8), 1024 / kMinTokensPerSplit);  // the cap rules
+  // Short contexts: the per-head kernel's splits keep one 16-token tile per warp (128 tokens).
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 1024, 132, 2, 8), 8);  // one per SM would allow 16
+  EXPECT_EQ(decode_num_splits(true, 1, 8, 1024, 132, 2, 8), 8);
+  EXPECT_EQ(decode_num_splits(false, 2, 8, 1024, 132, 2, 8), 8);
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 256, 132, 2, 8), 2);
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 100, 132, 2, 8), 1);
+  EXPECT_EQ(decode_num_splits(false, 4, 8, 1024, 132, 2, 8), 4);  // one wave at one per SM: 132 / 32
   EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 1, 8), 16);  // one resident CTA: nothing to choose
   // FP8 keys: always one per SM.
   EXPECT_EQ(decode_num_splits(true, 1, 8, 32768, 132, 2, 8), 16);
@@ -40,6 +46,7 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
   // The row-staged kernel: one CTA per 8 KV heads, every warp sees all of its split's tiles.
   EXPECT_EQ(decode_num_splits(false, 32, 1, 8192, 132, 2, 1), 8);  // 64 tiles per warp
   EXPECT_EQ(decode_num_splits(false, 1, 1, 4096, 132, 2, 1), 16);  // the 256-token cap: 16 tiles per warp
+  EXPECT_EQ(decode_num_splits(false, 1, 1, 1024, 132, 2, 1), 1024 / kMinTokensPerSplit);
   EXPECT_EQ(decode_num_splits(true, 32, 1, 8192, 132, 2, 1), 4);
 }
 
