@@ -55,7 +55,14 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   static constexpr int kSplitResultBytes = kHeads * (D + 1) * 4;
   static constexpr int kScratchBytes =
       cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes + kSplitResultBytes)), 16) * 16;
-  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4;
+  // The query columns get their own area after the pair table where two CTAs per SM still fit
+  // (sm_90: 228 KB per SM, 1 KB of it reserved per CTA): the first tiles' copies are then issued
+  // before the query set-up instead of after its two barriers. Otherwise (D = 256 with 4-bit or
+  // FP8 keys) they share the ring's bytes and the copies wait.
+  static constexpr int kTwoPerSmBytes = 114 * 1024 - 1024;
+  static constexpr bool kQueryApart = kScratchBytes + kPairTableWords * 4 + kQueryBytes <= kTwoPerSmBytes;
+  static constexpr int kQueryOffset = kQueryApart ? kScratchBytes + kPairTableWords * 4 : 0;
+  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + (kQueryApart ? kQueryBytes : 0);
 };
 
 template <class C, typename T>
@@ -128,16 +135,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   int next_block_id = load_block_id(1);
 
   // ---- the query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table,
-  // then B fragments of Q^T (decode_tile.cuh)
-  float* qs = reinterpret_cast<float*>(scratch);  // [kHeads][D]
-  Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
-  if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
-  __syncthreads();
+  // then B fragments of Q^T (decode_tile.cuh): before the first tiles are issued where the query
+  // shares the ring's bytes, after it where it has its own area (kQueryApart).
+  float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kHeads][D]
   uint32_t qf[C::kKSteps][2];
-  device::query_fragments<D, C::KB>(qs, g, c, q_multiplier, qf);
+  auto stage_query = [&] {
+    Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
+    if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
+    __syncthreads();
+    device::query_fragments<D, C::KB>(qs, g, c, q_multiplier, qf);
+    if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
+  };
+  if constexpr (!C::kQueryApart) stage_query();
   // This thread's score columns' limits: only the tile loop needs them.
   const int limit0 = limit(2 * c), limit1 = limit(2 * c + 1);
-  __syncthreads();  // the ring reuses qs
   int64_t tile_bases = tile_base(0, first_block_id);
 
   // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the 16-byte
@@ -203,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       codes[s] = kMaskedTileCode;
     }
   }
+  if constexpr (C::kQueryApart) stage_query();  // the first tiles' copies are in flight meanwhile
   const int stride_mod = static_cast<int>(p.cache.stride_token & (C::kWindowAlign - 1));
   int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
   for (int it = 0; it < my_tiles; ++it) {
