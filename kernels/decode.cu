@@ -12,7 +12,8 @@
 //     window from one number per tile in a register (the tile's first slot address mod 32);
 //   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
 //     with fragments dequantized in registers, online softmax in the log2 domain; the query
-//     columns are rotated once per CTA, each by its warp's FWHT in registers.
+//     columns are rotated once per CTA, each by its warp's FWHT in registers, while the first
+//     tiles' copies are in flight (DecodeConfig::kQueryApart).
 // Warps combine in shared memory; with several splits the two CTAs of a cluster (2 splits,
 // merge_cluster_splits) or the merge kernel (decode_merge.cu) combine the per-split results by
 // log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
@@ -47,7 +48,8 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   static constexpr int kStages = D > 128 ? 2 : 3;  // ring depth per warp (tiles in flight + 1)
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kPairTableWords = TileFragments<Slot>::kPairTableWords;
-  // Shared memory: staging ring (reused for the query rotation and the final warp merge).
+  // Shared memory: staging ring (reused for the final warp merge, and for the query columns
+  // where they have no area of their own: kQueryApart).
   static constexpr int kRingBytes = kWarps * kStages * kTileBytes + 16;
   static constexpr int kQueryBytes = kHeads * D * 4;
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 3) * 4;
@@ -92,9 +94,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
   // Set-up: this warp's query column, the sequence length and then the first block ids are all
-  // loaded before the query is used, so the warp FWHT, the pair table and the barrier hide the
-  // block ids' latency. (ptxas still places the length's clamp, on the block ids' path, ahead of
-  // the query's loads; the whole reordering measured 0.1 us at short contexts, session 18.)
+  // loaded before the query is used. Where the query has its own shared memory (kQueryApart) the
+  // first tiles' copies are issued as soon as the block ids arrive, and the warp FWHT, the pair
+  // table and the barrier run while they land: 0.1-0.5 us per step at short contexts in one-call
+  // graphs, 0.2-1.0 us with 16 steps per graph (H200, session 19; benchmarks/RESULTS.md).
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
   using Staging = QueryStaging<D, kHeads, kThreads>;
   static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
                ? block * p.cache.stride_block + (t0 & (block_size - 1)) * p.cache.stride_token + head_offset
                : int64_t(-1);
   };
-  const int first_block_id = load_block_id(0);  // in flight during the query staging
+  const int first_block_id = load_block_id(0);  // in flight during the query's FWHT
   int next_block_id = load_block_id(1);
 
   // ---- the query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table,
