@@ -96,8 +96,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   // Set-up: this warp's query column, the sequence length and then the first block ids are all
   // loaded before the query is used. Where the query has its own shared memory (kQueryApart) the
   // first tiles' copies are issued as soon as the block ids arrive, and the warp FWHT, the pair
-  // table and the barrier run while they land: 0.1-0.5 us per step at short contexts in one-call
-  // graphs, 0.2-1.0 us with 16 steps per graph (H200, session 19; benchmarks/RESULTS.md).
+  // table and the barrier run while they land: 0-0.3 us per step at short contexts in one-call
+  // graphs, 0.1-0.9 us with 16 steps per graph (H200, session 19; benchmarks/RESULTS.md).
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
   using Staging = QueryStaging<D, kHeads, kThreads>;
   static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
