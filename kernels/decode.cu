@@ -37,6 +37,30 @@ constexpr int kWarps = kDecodeWarps;  // one pair table and one query rotation s
 constexpr int kThreads = kDecodeThreads;
 constexpr int kHeads = kDecodeColumns;  // query columns per CTA: the MMA N dimension
 
+// Shared memory of the oldest architecture the build targets (TURBOQUANT_CUDA_MIN_ARCH, from
+// CMake; one host-side size serves every architecture of a build): sm_90's 228 KB per SM and 227
+// KB per CTA, else at most sm_86/89/120's 100 and 99 KB. The runtime reserves 1 KB per CTA.
+#ifndef TURBOQUANT_CUDA_MIN_ARCH
+#define TURBOQUANT_CUDA_MIN_ARCH 0
+#endif
+struct SmemBudget {
+  static constexpr bool kSm90 = TURBOQUANT_CUDA_MIN_ARCH >= 90;
+  static constexpr int kPerSm = (kSm90 ? 228 : 100) * 1024;
+  static constexpr int kPerCta = (kSm90 ? 227 : 99) * 1024;
+  // CTAs per SM that `bytes` of shared memory allow, at most `register_limit`.
+  static constexpr int ctas_per_sm(int bytes, int register_limit) {
+    return kPerSm / (bytes + 1024) < register_limit ? kPerSm / (bytes + 1024) : register_limit;
+  }
+  // Whether `extra` bytes on top of `bytes` keep the CTA within the limit and as many CTAs per SM.
+  static constexpr bool fits_without_losing_a_cta(int bytes, int extra, int register_limit) {
+    return bytes + extra <= kPerCta && ctas_per_sm(bytes + extra, register_limit) == ctas_per_sm(bytes, register_limit);
+  }
+};
+
+// Resident decode CTAs per SM by registers: __launch_bounds__(kThreads, 2) caps a thread at 128,
+// and every instantiation takes 103-128 (ptxas, sm_90, session 19), so three CTAs never fit.
+constexpr int kDecodeCtasByRegisters = 2;
+
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   // 32-byte windows: a lane pair's two 16-byte copies then lie in one 32-byte sector (from
@@ -57,18 +81,19 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   static constexpr int kSplitResultBytes = kHeads * (D + 1) * 4;
   static constexpr int kScratchBytes =
       cdiv(std::max(kRingBytes, std::max(kQueryBytes, kMergeBytes + kSplitResultBytes)), 16) * 16;
-  // The query columns get their own area after the pair table where two CTAs per SM still fit
-  // (sm_90: 228 KB per SM, 1 KB of it reserved per CTA): the first tiles' copies are then issued
-  // before the query set-up instead of after its two barriers. Otherwise (D = 256 with 4-bit or
-  // FP8 keys) they share the ring's bytes and the copies wait.
-  static constexpr int kTwoPerSmBytes = 114 * 1024 - 1024;
-  static constexpr bool kQueryApart = kScratchBytes + kPairTableWords * 4 + kQueryBytes <= kTwoPerSmBytes;
-  static constexpr int kQueryOffset = kQueryApart ? kScratchBytes + kPairTableWords * 4 : 0;
-  static constexpr int kSmemBytes = kScratchBytes + kPairTableWords * 4 + (kQueryApart ? kQueryBytes : 0);
+  // The query columns get their own area after the pair table where that costs no resident CTA
+  // and stays within the per-CTA limit of every architecture built for (SmemBudget): the first
+  // tiles' copies are then issued before the query set-up instead of after its two barriers.
+  // Otherwise (on sm_90: D = 256 with 4-bit or FP8 keys; builds with an older architecture: D = 128
+  // with 4-bit keys too) the query shares the ring's bytes and the copies wait.
+  static constexpr int kSharedBytes = kScratchBytes + kPairTableWords * 4;
+  static constexpr bool kQueryApart = SmemBudget::fits_without_losing_a_cta(kSharedBytes, kQueryBytes, kDecodeCtasByRegisters);
+  static constexpr int kQueryOffset = kQueryApart ? kSharedBytes : 0;
+  static constexpr int kSmemBytes = kSharedBytes + (kQueryApart ? kQueryBytes : 0);
 };
 
 template <class C, typename T>
-__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p, const float q_multiplier,
+__global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kernel(const DecodeParams p, const float q_multiplier,
                                                           const int head_chunks, const bool cluster_splits) {
   using namespace device;
   constexpr int D = C::D;
@@ -96,8 +121,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   // Set-up: this warp's query column, the sequence length and then the first block ids are all
   // loaded before the query is used. Where the query has its own shared memory (kQueryApart) the
   // first tiles' copies are issued as soon as the block ids arrive, and the warp FWHT, the pair
-  // table and the barrier run while they land: 0-0.3 us per step at short contexts in one-call
-  // graphs, 0.1-0.9 us with 16 steps per graph (H200, session 19; benchmarks/RESULTS.md).
+  // table and the barrier run while they land. Measured at short contexts (H200, session 19,
+  // benchmarks/RESULTS.md): -0.3..+0.3 us per step in one-call graphs, -0.1..+1.0 us (mostly
+  // 0.2-0.9 faster) with 16 steps per graph.
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
   using Staging = QueryStaging<D, kHeads, kThreads>;
   static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
@@ -134,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
                ? block * p.cache.stride_block + (t0 & (block_size - 1)) * p.cache.stride_token + head_offset
                : int64_t(-1);
   };
-  const int first_block_id = load_block_id(0);  // in flight during the query's FWHT
+  const int first_block_id = load_block_id(0);  // in flight during the query's FWHT unless kQueryApart
   int next_block_id = load_block_id(1);
 
   // ---- the query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table,
