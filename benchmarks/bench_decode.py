@@ -12,7 +12,8 @@ timing of ours right after SDPA's baseline was 5-20 % slower than the same graph
 The eager ratio (back-to-back calls, what a Python loop sees) is printed too.
 Prints time, GB/s over the packed bytes, % of copy bandwidth and the speed-up over SDPA bf16;
 then graph-replay latency at short contexts for B = 1..8 against SDPA's, with one decode step per
-graph and with 16 (a model step's layers, each over its own cache). Tables in RESULTS.md
+graph and (--layers, default with --shapes short) with 16, a model step's layers, each over its
+own cache. Tables in RESULTS.md
 before 2026-12-02 (session 3) used eager times.
 """
 
@@ -143,16 +144,13 @@ def short_context_lines(rounds):
     return lines
 
 
-LAYERS_PER_GRAPH = 16
-
-
-def layered_short_context_lines(rounds):
-    """The short-context table again with LAYERS_PER_GRAPH decode steps in one graph, each over its
-    own cache (the layers of one captured model step, as a serving engine replays them): per step,
-    the launch of a one-call graph no longer counts, and each layer's cache is read once per replay
-    (at B = 8, L = 1k the 16 bf16 caches pass the L2; the packed ones mostly fit)."""
+def layered_short_context_lines(rounds, n):
+    """The short-context table again with n decode steps in one graph, each over its own cache (the
+    layers of one captured model step, as a serving engine replays them): per step, the launch of
+    a one-call graph no longer counts. With n = 16 the caches of a graph fit in the 60 MB L2 at 256
+    tokens for the packed presets (4bit_nc at B = 4: 17.6 MB) and for bf16 at B = 1-2 (16.8-34 MB),
+    and pass it from about B = 8, L = 1k on (4bit_nc 140 MB, bf16 537 MB)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    n = LAYERS_PER_GRAPH
     lines = ["", f"{n} decode steps per graph, each over its own cache (one model step's layers), us per step:", "",
              "| B | L | SDPA bf16 us | 4bit_nc us | speed-up | k8v4 us | speed-up |", "|---|---|---|---|---|---|---|"]
     print(lines[1], flush=True)
@@ -162,7 +160,7 @@ def layered_short_context_lines(rounds):
                           for h, t in ((32, 1), (8, length), (8, length))) for _ in range(n)]
             sdpa = []  # each backend's replay, timed once to pick the best
             for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                def step(backend=backend):
+                def step(backend=backend, sets=sets):
                     with sdpa_kernel(backend):
                         for s in sets:
                             F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True)
@@ -171,15 +169,20 @@ def layered_short_context_lines(rounds):
                     sdpa.append((time_us(replays, reps=10), replays))
                 except RuntimeError:
                     continue
+            if not sdpa:
+                raise RuntimeError(f"no SDPA backend could be captured at B={b}, L={length}")
             sdpa_replays = min(sdpa, key=lambda x: x[0])[1]
             cells = []
             for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
                 caches = [build_cache(preset, b, 8, length, seed) for seed in range(n)]
                 q = torch.randn(b, 32, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                 sl = torch.full((b,), length, dtype=torch.int32, device="cuda")
-                ours = graph_replays([lambda: [tq.decode(q, c, bt, sl, preset, HEAD_DIM ** -0.5) for c, bt in caches]])
+                # Defaults bind this preset's inputs: the replay keeps them alive (graph_replays).
+                ours = graph_replays([lambda caches=caches, q=q, sl=sl, preset=preset:
+                                      [tq.decode(q, c, bt, sl, preset, HEAD_DIM ** -0.5) for c, bt in caches]])
                 sdpa_us, us, _ = alternating_rounds_us(sdpa_replays, ours, rounds)
                 cells.append((sdpa_us / n, us / n))
+                del ours, caches
             sdpa_us = statistics.median(c[0] for c in cells)
             lines.append(f"| {b} | {length} | {sdpa_us:.1f} | "
                          + " | ".join(f"{us:.1f} | {s_us / us:.2f}x" for s_us, us in cells) + " |")
@@ -195,8 +198,12 @@ def main():
     p.add_argument("--shapes", choices=list(SHAPES), default="default")
     p.add_argument("--num-splits", type=int, default=0)
     p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of SDPA and ours per row")
-    p.add_argument("--out", default=None, help="append the markdown table to this file")
+    p.add_argument("--out", default=None, help="append the markdown tables to this file")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decode steps per graph of the layered short-context table (0: none; default 16 with "
+                        "--shapes short, else 0)")
     a = p.parse_args()
+    layers = a.layers if a.layers is not None else (16 if a.shapes == "short" else 0)
     torch.manual_seed(0)
     copy_bw = copy_bandwidth_gbs()
     name = torch.cuda.get_device_name()
@@ -228,9 +235,10 @@ def main():
             torch.cuda.empty_cache()
         del sdpa_replays
         torch.cuda.empty_cache()
-    lines += short_context_lines(a.rounds)
-    lines += layered_short_context_lines(a.rounds)
-    append_markdown(a.out, lines)
+    append_markdown(a.out, lines)  # each table as it is done: a later one cut short by a timeout loses only itself
+    append_markdown(a.out, short_context_lines(a.rounds))
+    if layers:
+        append_markdown(a.out, layered_short_context_lines(a.rounds, layers))
 
 
 if __name__ == "__main__":

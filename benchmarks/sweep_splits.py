@@ -41,7 +41,9 @@ def main():
     header = ("| B | Hq | Hkv | L | preset | " + " | ".join(f"splits {s or 'auto'} us" for s in splits_list) + " |\n|"
               + "---|" * (5 + len(splits_list)))
     lines = [f"Decode vs splits, D={HEAD_DIM}, block_size 16, {torch.cuda.get_device_name()}, graph replay"
-             + (", one input set (L2-resident)" if a.short else ", enough caches to defeat the L2"), "", header]
+             + (", one input set (L2-resident)" if a.short else ", enough caches to defeat the L2")
+             + "; block tables of exactly L tokens (the split rule caps splits by the table's capacity); the per-head"
+             " kernel merges 2 splits in a cluster, more through the merge kernel", "", header]
     print("\n".join(lines), flush=True)
     for (b, hq, hkv, length) in shapes:
         for preset in PRESETS:

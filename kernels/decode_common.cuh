@@ -22,11 +22,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 // the step from 16.4 to 14.8 us; clusters of 4, 8 and 16 CTAs over 128 CTAs made it 3-7 us slower
 // (B = 4 L = 1k 11.5 -> 14.8, B = 1 L = 4k 11.9 -> 15.5, B = 4 L = 4k 19.0 -> 26.6), with or without
 // the spread scheduling policy; over 32-64 CTAs they were even. Session 19 (H200): a cluster's
-// CTAs may sit two per SM (cudaOccupancyMaxActiveClusters: 62 clusters of 4 of this kernel, 248
-// CTAs), and the slowdowns fit such a placement leaving SMs idle; forcing one CTA per SM (more
-// than half an SM's shared memory) leaves fewer clusters than one wave of 128 CTAs needs (30 of 4,
-// 15 of 8, 7 of 16: a cluster stays in one GPC), and B = 4 L = 1k in 4 splits took 18.5 us
-// against 11.8 with the merge kernel (14.7 with clusters two per SM).
+// CTAs may sit two per SM (cudaOccupancyMaxActiveClusters for the 4bit_nc D = 128 kernel at
+// 100,368 bytes: 62 clusters of 4, 248 CTAs), and the slowdowns fit such a placement leaving SMs
+// idle; forcing one CTA per SM (more than half an SM's shared memory) leaves fewer clusters than
+// one wave of 128 CTAs needs (30 of 4, 15 of 8, 7 of 16: a cluster stays in one GPC), and B = 4
+// L = 1k in 4 splits took 18.5 us against 11.8 with the merge kernel (14.7 with clusters two per SM).
 constexpr int kClusterSplits = 2;
 constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 

@@ -9,15 +9,19 @@
 namespace turboquant {
 
 constexpr int kTokenTile = 16;        // tokens a decode warp processes per step
-constexpr int kMinTokensPerSplit = 256;  // below this a split costs more to merge than it saves
+// Below this a split costs more to merge than it saves (the per-head decode kernel: 128, see
+// decode_min_tokens_per_split).
+constexpr int kMinTokensPerSplit = 256;
 
 TQ_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Splits for one decode step. Depends only on shapes (never on seq_lens values), so a captured
 // CUDA graph stays valid. Enough splits to fill one wave of `resident_ctas` (CTAs the device runs
 // at once): more waves only add per-CTA set-up, merge work and tail imbalance (measured on the
-// H200, benchmarks/RESULTS.md). Never fewer tokens per split than kMinTokensPerSplit of the
-// largest context the block table can hold.
+// H200, benchmarks/RESULTS.md). Never fewer tokens per split than min_tokens_per_split of the
+// largest context the block table can hold: a serving engine whose block tables cover its longest
+// model length gets the full wave of splits at every sequence length (B = 1, 32k-token tables:
+// 16 splits of 16 tokens at L = 256, where 2 took 8.6 us and 16 9.7; RESULTS.md, session 19).
 TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas,
                             int min_tokens_per_split = kMinTokensPerSplit) {
   const int base = batch * ctas_per_split;
@@ -42,9 +46,10 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 // So: two per SM only for Lloyd-Max keys whose splits keep each warp kMinTilesPerWarpTwoPerSm tiles.
 // The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
 // kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
-// Hq 32 Hkv 8, session 19, benchmarks/RESULTS.md): B = 1, L = 1k took 10.6 us in 4 splits (the
-// 256-token cap) and 9.7 in 8, 10.0 in 16; B = 2, L = 1k 11.0 in 4 and 10.6 in 8; at L = 256 one
-// split (8.8 us) and two (9.2; 8.8 with the two merged in a cluster) were even.
+// Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`, session 19,
+// benchmarks/RESULTS.md): B = 1, L = 1k took 10.9 us in 4 splits (the 256-token cap), 10.0 in 8
+// and 10.2 in 16; B = 2, L = 1k 11.1 in 4 and 10.6 in 8; at L = 256 one split took 9.1 us and two
+// (merged in a cluster) 8.7.
 constexpr int kMinTilesPerWarpTwoPerSm = 16;
 TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
   return warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;
