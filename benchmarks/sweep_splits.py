@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from bench_decode import HEAD_DIM, build_cache  # noqa: E402
+from bench_decode import BLOCK_SIZE, HEAD_DIM, build_cache  # noqa: E402
 from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
 
 # Batch 1..16 at GQA 4 and 8 KV heads: 8..128 CTAs before splitting, so the default picks 33..2.
@@ -32,23 +32,37 @@ SHORT_SPLITS = [0, 1, 2, 4, 8, 16, 32]
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
 
 
+def with_table_tokens(cache_and_table, tokens):
+    """The block table widened to hold `tokens` tokens (padding entries: block 0, past seq_len)."""
+    cache, table = cache_and_table
+    extra = -(-tokens // BLOCK_SIZE) - table.shape[1]
+    if extra > 0:
+        table = torch.cat([table, torch.zeros(table.shape[0], extra, dtype=table.dtype, device=table.device)], dim=1)
+    return cache, table
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="append the table to this markdown file")
     p.add_argument("--short", action="store_true", help="short contexts, L2-resident")
+    p.add_argument("--table-tokens", type=int, default=0,
+                   help="block tables that could hold this many tokens (a serving engine's, sized to its longest "
+                        "model length; the extra entries are never read), not exactly L")
     a = p.parse_args()
     shapes, splits_list = (SHORT_SHAPES, SHORT_SPLITS) if a.short else (SHAPES, SPLITS)
     header = ("| B | Hq | Hkv | L | preset | " + " | ".join(f"splits {s or 'auto'} us" for s in splits_list) + " |\n|"
               + "---|" * (5 + len(splits_list)))
     lines = [f"Decode vs splits, D={HEAD_DIM}, block_size 16, {torch.cuda.get_device_name()}, graph replay"
              + (", one input set (L2-resident)" if a.short else ", enough caches to defeat the L2")
-             + "; block tables of exactly L tokens (the split rule caps splits by the table's capacity); the per-head"
+             + (f"; block tables of {a.table_tokens} tokens" if a.table_tokens else "; block tables of exactly L tokens")
+             + " (the split rule caps splits by the table's capacity); the per-head"
              " kernel merges 2 splits in a cluster, more through the merge kernel", "", header]
     print("\n".join(lines), flush=True)
     for (b, hq, hkv, length) in shapes:
         for preset in PRESETS:
             packed = b * hkv * length * tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
-            caches = [build_cache(preset, b, hkv, length, s) for s in range(1 if a.short else copies_to_defeat_l2(packed))]
+            caches = [with_table_tokens(build_cache(preset, b, hkv, length, s), a.table_tokens)
+                      for s in range(1 if a.short else copies_to_defeat_l2(packed))]
             q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
             cells = []

@@ -13,7 +13,7 @@
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
 # per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); BREAKDOWN_ARGS
-# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; COMMIT=<hash>
+# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits_short with block tables of n tokens; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -129,6 +129,11 @@ fi
 if has splits_short; then  # the split count at short contexts (the per-head kernel's lower bound)
   mark_step splits_short
   echo "== short decode vs splits"; PYTHONPATH=python timeout 200 "$PYTHON" benchmarks/sweep_splits.py --short --out "$OUT/splits_short.md" || status=1
+  if [ -n "${SPLITS_TABLE_TOKENS:-}" ]; then  # again with a serving engine's block tables (e.g. 32768 tokens)
+    echo "== short decode vs splits, block tables of $SPLITS_TABLE_TOKENS tokens"
+    PYTHONPATH=python timeout 200 "$PYTHON" benchmarks/sweep_splits.py --short --table-tokens "$SPLITS_TABLE_TOKENS" \
+      --out "$OUT/splits_short.md" || status=1
+  fi
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
   mark_step breakdown
