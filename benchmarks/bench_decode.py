@@ -70,14 +70,14 @@ def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_
     return cache, order.view(b, blocks_per_seq).int()
 
 
-def sdpa_best(b, hq, hkv, length, input_sets=None):
+def sdpa_best(b, hq, hkv, length):
     """Best SDPA bf16 over the cuDNN, flash and efficient backends (GQA without expanding K/V when
     the backend allows it). Returns (eager us, its backend, graph-replay us, its backend, that
     backend's graph replays, which keep their inputs) from one pass; a backend that cannot be captured
-    counts for eager only. input_sets: how many (default: enough to defeat the L2)."""
+    counts for eager only. Enough input sets to defeat the L2."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sets = []
-    for _ in range(input_sets or copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
+    for _ in range(copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
         q = torch.randn(b, hq, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -114,80 +114,68 @@ def alternating_rounds_us(a, b, rounds):
     return statistics.median(times_a), statistics.median(times_b), (min(times_b), max(times_b))
 
 
-def short_context_lines(rounds):
-    """Graph replay of one decode step at short contexts, B = 1..8 (latency-bound: launches, the
-    query set-up, the merge), against SDPA bf16's best graph on the same shape, timed in
-    alternating rounds. One input set each: the data is L2-resident, as the launch latency is what
-    this table is about."""
-    # The floor every row stands on: a graph of one trivial kernel, replayed back to back.
-    scratch = torch.zeros(1, device="cuda")
-    floor_us = time_us(graph_replays([lambda: scratch.add_(1)]), reps=30, calls_per_rep=20)
-    lines = ["", "Graph replay of one decode step at short contexts (Hq 32, Hkv 8; one input set, L2-resident; "
-             f"a graph of one trivial kernel replays in {floor_us:.1f} us):", "",
-             "| B | L | SDPA bf16 us (backend) | 4bit_nc us | speed-up | k8v4 us | speed-up |", "|---|---|---|---|---|---|---|"]
-    print(lines[1], flush=True)
-    for length in (256, 1024, 4096):
-        for b in (1, 2, 4, 8):
-            _, _, _, backend, sdpa_replays = sdpa_best(b, 32, 8, length, input_sets=1)
-            cells = []
-            for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
-                cache, bt = build_cache(preset, b, 8, length)
-                q = torch.randn(b, 32, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                sl = torch.full((b,), length, dtype=torch.int32, device="cuda")
-                ours = graph_replays([lambda: tq.decode(q, cache, bt, sl, preset, HEAD_DIM ** -0.5)])
-                sdpa_us, us, _ = alternating_rounds_us(sdpa_replays, ours, rounds)
-                cells.append((sdpa_us, us))
-            sdpa_us = statistics.median(c[0] for c in cells)
-            lines.append(f"| {b} | {length} | {sdpa_us:.1f} ({backend}) | "
-                         + " | ".join(f"{us:.1f} | {s_us / us:.2f}x" for s_us, us in cells) + " |")
-            print(lines[-1], flush=True)
-    return lines
-
-
-def layered_short_context_lines(rounds, n):
-    """The short-context table again with n decode steps in one graph, each over its own cache (the
-    layers of one captured model step, as a serving engine replays them): per step, the launch of
-    a one-call graph no longer counts. With n = 16 the caches of a graph fit in the 60 MB L2 at 256
-    tokens for the packed presets (4bit_nc at B = 4: 17.6 MB) and for bf16 at B = 1-2 (16.8-34 MB),
-    and pass it from about B = 8, L = 1k on (4bit_nc 140 MB, bf16 537 MB)."""
+def sdpa_step_graph(b, length, steps):
+    """The fastest SDPA bf16 backend's graph of `steps` calls, each over its own inputs (Hq 32,
+    Hkv 8): (backend name, replays; each replay keeps its inputs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    lines = ["", f"{n} decode steps per graph, each over its own cache (one model step's layers), us per step:", "",
-             "| B | L | SDPA bf16 us | 4bit_nc us | speed-up | k8v4 us | speed-up |", "|---|---|---|---|---|---|---|"]
-    print(lines[1], flush=True)
+    sets = [tuple(torch.randn(b, h, t, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                  for h, t in ((32, 1), (8, length), (8, length))) for _ in range(steps)]
+    timed = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def step(backend=backend, sets=sets):
+            with sdpa_kernel(backend):
+                for s in sets:
+                    F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True)
+        try:
+            replays = graph_replays([step])
+            timed.append((time_us(replays, reps=10), backend.name.lower(), replays))
+        except RuntimeError:
+            continue
+    if not timed:
+        raise RuntimeError(f"no SDPA backend could be captured at B={b}, L={length}")
+    _, name, replays = min(timed, key=lambda x: x[0])
+    return name, replays
+
+
+def short_context_lines(rounds, steps=1):
+    """Graph replay at short contexts, B = 1..8 (latency-bound: launches, the query set-up, the
+    merge), against SDPA bf16's best graph on the same shape, timed in alternating rounds, us per
+    decode step. steps = 1: one step per graph, L2-resident, so the launch latency is what the
+    table shows. steps = n > 1: n steps in one graph, each over its own cache (the layers of one
+    captured model step, as a serving engine replays them), so a one-call graph's launch no longer
+    counts; with 16 the caches of a graph fit in the 60 MB L2 at 256 tokens for the packed presets
+    (4bit_nc at B = 4: 17.6 MB) and for bf16 at B = 1-2 (16.8-34 MB), and pass it from about B = 8,
+    L = 1k on (4bit_nc 140 MB, bf16 537 MB)."""
+    if steps == 1:
+        # The floor every row stands on: a graph of one trivial kernel, replayed back to back.
+        scratch = torch.zeros(1, device="cuda")
+        floor_us = time_us(graph_replays([lambda: scratch.add_(1)]), reps=30, calls_per_rep=20)
+        title = ("Graph replay of one decode step at short contexts (Hq 32, Hkv 8; one input set, L2-resident; "
+                 f"a graph of one trivial kernel replays in {floor_us:.1f} us):")
+    else:
+        title = f"{steps} decode steps per graph, each over its own cache (one model step's layers), us per step:"
+    lines = ["", title, "", "| B | L | SDPA bf16 us (backend) | 4bit_nc us | speed-up | k8v4 us | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    print(title, flush=True)
     for length in (256, 1024, 4096):
         for b in (1, 2, 4, 8):
-            sets = [tuple(torch.randn(b, h, t, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                          for h, t in ((32, 1), (8, length), (8, length))) for _ in range(n)]
-            sdpa = []  # each backend's replay, timed once to pick the best
-            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                def step(backend=backend, sets=sets):
-                    with sdpa_kernel(backend):
-                        for s in sets:
-                            F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True)
-                try:
-                    replays = graph_replays([step])
-                    sdpa.append((time_us(replays, reps=10), replays))
-                except RuntimeError:
-                    continue
-            if not sdpa:
-                raise RuntimeError(f"no SDPA backend could be captured at B={b}, L={length}")
-            sdpa_replays = min(sdpa, key=lambda x: x[0])[1]
+            backend, sdpa_replays = sdpa_step_graph(b, length, steps)
             cells = []
             for preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
-                caches = [build_cache(preset, b, 8, length, seed) for seed in range(n)]
+                caches = [build_cache(preset, b, 8, length, seed) for seed in range(steps)]
                 q = torch.randn(b, 32, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                 sl = torch.full((b,), length, dtype=torch.int32, device="cuda")
                 # Defaults bind this preset's inputs: the replay keeps them alive (graph_replays).
                 ours = graph_replays([lambda caches=caches, q=q, sl=sl, preset=preset:
                                       [tq.decode(q, c, bt, sl, preset, HEAD_DIM ** -0.5) for c, bt in caches]])
                 sdpa_us, us, _ = alternating_rounds_us(sdpa_replays, ours, rounds)
-                cells.append((sdpa_us / n, us / n))
+                cells.append((sdpa_us / steps, us / steps))
                 del ours, caches
             sdpa_us = statistics.median(c[0] for c in cells)
-            lines.append(f"| {b} | {length} | {sdpa_us:.1f} | "
+            lines.append(f"| {b} | {length} | {sdpa_us:.1f} ({backend}) | "
                          + " | ".join(f"{us:.1f} | {s_us / us:.2f}x" for s_us, us in cells) + " |")
             print(lines[-1], flush=True)
-            del sets, sdpa, sdpa_replays
+            del sdpa_replays
             torch.cuda.empty_cache()
     return lines
 
@@ -200,7 +188,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of SDPA and ours per row")
     p.add_argument("--out", default=None, help="append the markdown tables to this file")
     p.add_argument("--layers", type=int, default=None,
-                   help="decode steps per graph of the layered short-context table (0: none; default 16 with "
+                   help="decode steps per graph of a second short-context table (0: none; default 16 with "
                         "--shapes short, else 0)")
     a = p.parse_args()
     layers = a.layers if a.layers is not None else (16 if a.shapes == "short" else 0)
@@ -238,7 +226,7 @@ def main():
     append_markdown(a.out, lines)  # each table as it is done: a later one cut short by a timeout loses only itself
     append_markdown(a.out, short_context_lines(a.rounds))
     if layers:
-        append_markdown(a.out, layered_short_context_lines(a.rounds, layers))
+        append_markdown(a.out, short_context_lines(a.rounds, layers))
 
 
 if __name__ == "__main__":
