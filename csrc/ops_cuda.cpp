@@ -101,7 +101,12 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.scale = static_cast<float>(scale);
-  p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : decode_default_num_splits(p);
+  if (num_splits > 0) {
+    p.num_splits = static_cast<int>(num_splits);  // as asked: every sequence is divided into that many
+  } else {
+    p.num_splits = decode_default_num_splits(p);
+    p.split_waves = decode_adaptive_split_waves(p);
+  }
   TQ_CHECK(p.num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be at most ", kMaxDecodeSplits, ", got ",
            p.num_splits);
   at::Tensor partial_out, partial_lse;

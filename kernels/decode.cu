@@ -133,7 +133,21 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
   auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
-  const TokenRange range = split_token_range(limit(num_columns - 1), p.num_splits, split);
+  // The splits this row takes: where the library chose the count (split_waves set), as many as
+  // its own context calls for, at most the grid's; the rest of the grid's splits find no tokens.
+  const int context = limit(num_columns - 1);
+  const int row_splits =
+      p.split_waves.one_per_sm > 0 ? min(p.num_splits, splits_for_context(p.split_waves, context)) : p.num_splits;
+  const TokenRange range = split_token_range(context, row_splits, split);
+  if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
+    // No tokens for this split (a short sequence, or one split of many past its length): the merge
+    // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
+    if (static_cast<int>(threadIdx.x) < num_columns) {
+      const int h = threadIdx.x;
+      p.partial_lse[columns.row(h, column_token(h, num_heads)) * p.num_splits + split] = -INFINITY;
+    }
+    return;
+  }
 
   // ---- per-warp pipeline over 16-token tiles (tile k belongs to warp k % kWarps)
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
@@ -480,6 +494,18 @@ static bool use_chunked_varlen(const DecodeParams& p) {
   return 2 * static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
 }
 
+// The shape-only part of the per-head kernel's split rule (turboquant/split_plan.h): CTAs per
+// split from the busy CTA rows (sequences, or varlen chunks with tokens) and head chunks.
+static SplitWaves per_head_split_waves(const DecodeParams& p) {
+  int per_sm = 1;
+  visit_decode_config(p, ResidentCtas{&per_sm});
+  const int group = p.num_q_heads / p.cache.num_kv_heads;
+  const int busy = p.query_start_loc == nullptr ? p.batch
+                                                : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
+  return decode_split_waves(p.layout.key_format == KeyFormat::kFp8, busy, p.cache.num_kv_heads * head_chunks_of(p),
+                            device_sm_count(), per_sm, kWarps);
+}
+
 // Splits fill one wave with the CTAs that have work (the decode kernel: one or two CTAs per SM by
 // decode_num_splits, turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
 // alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
@@ -505,14 +531,14 @@ int decode_default_num_splits(const DecodeParams& p) {
                                          device_sm_count(), decode_rows_resident_ctas(p), 1);
     return std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
   } else {
-    int per_sm = 1;
-    visit_decode_config(p, ResidentCtas{&per_sm});
-    const int busy = p.query_start_loc == nullptr ? p.batch
-                                                  : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
-    splits = decode_num_splits(fp8, busy, p.cache.num_kv_heads * head_chunks_of(p), max_context, device_sm_count(),
-                               per_sm, kWarps);
+    splits = splits_for_context(per_head_split_waves(p), max_context);
   }
   return std::min(splits, 128);
+}
+
+SplitWaves decode_adaptive_split_waves(const DecodeParams& p) {
+  if (use_chunked_varlen(p) || decode_rows_supports(p)) return SplitWaves{};
+  return per_head_split_waves(p);
 }
 
 // The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge

@@ -9,6 +9,7 @@
 #include "turboquant/layout.h"
 #include "turboquant/query_chunks.h"
 #include "turboquant/quantize.h"
+#include "turboquant/split_plan.h"
 
 namespace turboquant {
 
@@ -52,6 +53,12 @@ struct DecodeParams {
   Codebook codebook;
   float scale = 1.0f;
   int num_splits = 1;
+  // Set where the library chose num_splits for the per-head kernel (decode_adaptive_split_waves):
+  // each CTA row then takes min(num_splits, splits_for_context(split_waves, its context)) of
+  // the grid's splits, so a short sequence in a block table sized for long ones keeps the splits
+  // its own length calls for, and the CTAs of the other splits exit at once. Unset
+  // (one_per_sm 0): every sequence is divided into num_splits.
+  SplitWaves split_waves;
   // Workspace for num_splits > 1, sized for num_splits partials per row; a kernel may write fewer
   // (the row kernel: one per CTA, its two splits folded) and merge that many, at that stride.
   float* partial_out = nullptr;  // [query_rows, num_q_heads, partials, head_dim]
@@ -91,6 +98,9 @@ constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) 
 
 // Split-KV count the decode picks for these shapes on the current device.
 int decode_default_num_splits(const DecodeParams& p);
+// The split rule's shape-only part for p's per-head decode (DecodeParams::split_waves), or an
+// unset one where another kernel serves p.
+SplitWaves decode_adaptive_split_waves(const DecodeParams& p);
 // Whether launch_decode(p) uses p.partial_out and p.partial_lse (sized for p.num_splits partials
 // per row): not for one split, nor where the per-head kernel merges its splits inside a cluster.
 bool decode_uses_split_workspace(const DecodeParams& p);

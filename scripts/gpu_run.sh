@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 420); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
@@ -134,6 +134,11 @@ if has splits_short; then  # the split count at short contexts (the per-head ker
     PYTHONPATH=python timeout 200 "$PYTHON" benchmarks/sweep_splits.py --short --table-tokens "$SPLITS_TABLE_TOKENS" \
       --out "$OUT/splits_short.md" || status=1
   fi
+fi
+if has serving; then  # block tables of a serving engine (32k tokens): default vs each kernel forced vs SDPA
+  mark_step serving
+  echo "== serving block tables"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/bench_serving.py --out "$OUT/serving.md" \
+    2>&1 | tee "$OUT/serving.log" | grep -E "^\|" || status=1
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
   mark_step breakdown

@@ -54,14 +54,48 @@ constexpr int kMinTilesPerWarpTwoPerSm = 16;
 TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
   return warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;
 }
+
+// The split rule in two steps: what the shapes decide (SplitWaves, on the host) and what a
+// context length then decides (splits_for_context). The host applies it to the block table's
+// capacity to size the grid; the per-head decode kernel applies it again, on the device, to each
+// sequence's own length when the library chose the count (DecodeParams::split_waves), so a
+// serving engine's block tables, sized for its longest model length, no longer give a short
+// sequence the full wave of 16-token splits. Both give the same count for a table of exactly
+// the sequence's length.
+struct SplitWaves {
+  int one_per_sm = 0;  // splits that fill one CTA per SM, before the context's cap (0: not set)
+  int two_per_sm = 0;  // ... two per SM; 0 where only one is considered (FP8 keys, one resident)
+  int min_tokens = kMinTokensPerSplit;  // the fewest tokens a split keeps
+  int tokens_per_pass = kTokenTile;     // tokens the CTA's warps take in one step (tiles x warps)
+};
+
+TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split, int sm_count, int resident_per_sm,
+                                    int warps_per_range) {
+  const int base = batch * ctas_per_split;
+  SplitWaves w;
+  w.one_per_sm = base > 0 ? sm_count / base : 1;
+  w.two_per_sm = fp8_keys || resident_per_sm <= 1 ? 0 : (base > 0 ? sm_count * resident_per_sm / base : 1);
+  w.min_tokens = decode_min_tokens_per_split(warps_per_range);
+  w.tokens_per_pass = kTokenTile * warps_per_range;
+  return w;
+}
+
+// Splits for a context of `context` tokens (at least 1): the wave's count capped so each split
+// keeps w.min_tokens, and two CTAs per SM only where each warp keeps kMinTilesPerWarpTwoPerSm
+// tiles.
+TQ_HD int splits_for_context(const SplitWaves& w, int context) {
+  const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
+  const int one = w.one_per_sm < cap ? (w.one_per_sm > 1 ? w.one_per_sm : 1) : cap;
+  if (w.two_per_sm == 0) return one;
+  const int filled = w.two_per_sm < cap ? (w.two_per_sm > 1 ? w.two_per_sm : 1) : cap;
+  const int tiles_per_warp = context / (filled * w.tokens_per_pass);
+  return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one : filled;
+}
+
 TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int max_context, int sm_count,
                             int resident_per_sm, int warps_per_range) {
-  const int min_tokens = decode_min_tokens_per_split(warps_per_range);
-  const int one_per_sm = default_num_splits(batch, ctas_per_split, max_context, sm_count, min_tokens);
-  if (fp8_keys || resident_per_sm <= 1) return one_per_sm;
-  const int filled = default_num_splits(batch, ctas_per_split, max_context, sm_count * resident_per_sm, min_tokens);
-  const int tiles_per_warp = max_context / filled / (kTokenTile * warps_per_range);
-  return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one_per_sm : filled;
+  return splits_for_context(
+      decode_split_waves(fp8_keys, batch, ctas_per_split, sm_count, resident_per_sm, warps_per_range), max_context);
 }
 
 // Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) can put CTAs on

@@ -59,6 +59,36 @@ TEST(SplitPlan, RowKernelOnlyWhereItsGridFillsHalfTheSms) {
   EXPECT_FALSE(row_kernel_fills_device(1, 1, 0, 132));     // empty block table: one split
 }
 
+TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {
+  // B = 1 at 8 KV heads, the per-head kernel on 132 SMs with two CTAs per SM possible: the grid is
+  // sized by a serving engine's 32k-token block table, each sequence by its own length.
+  const SplitWaves w = decode_split_waves(false, 1, 8, 132, 2, 8);
+  EXPECT_EQ(splits_for_context(w, 32768), 16);  // 33 would leave 7 tiles per warp: one per SM
+  EXPECT_EQ(splits_for_context(w, 256), 2);     // 128 tokens each, as a table of exactly 256 gets
+  EXPECT_EQ(splits_for_context(w, 1024), 8);
+  EXPECT_EQ(splits_for_context(w, 1), 1);
+  EXPECT_EQ(splits_for_context(w, 0), 1);
+  // Two per SM once each warp keeps 16 tiles: B = 4 fills 8 splits of 4096 tokens.
+  EXPECT_EQ(splits_for_context(decode_split_waves(false, 4, 8, 132, 2, 8), 32768), 8);
+  EXPECT_EQ(splits_for_context(decode_split_waves(false, 4, 8, 132, 2, 8), 1024), 4);
+  for (bool fp8 : {false, true}) {
+    for (int batch : {1, 2, 4, 8, 32}) {
+      for (int warps : {1, 8}) {
+        const SplitWaves waves = decode_split_waves(fp8, batch, 8, 132, 2, warps);
+        int previous = 1;
+        for (int context = 0; context <= 70000; context += 97) {
+          const int splits = splits_for_context(waves, context);
+          EXPECT_EQ(splits, decode_num_splits(fp8, batch, 8, context, 132, 2, warps)) << "one rule";
+          // Never more splits for a shorter context: a sequence shorter than the table's capacity
+          // takes at most the grid's count (the kernel's min is then only a guard).
+          EXPECT_GE(splits, previous) << context << " tokens, batch " << batch;
+          previous = splits;
+        }
+      }
+    }
+  }
+}
+
 TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
   for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149}) {
     for (int splits : {1, 3, 7, 33}) {

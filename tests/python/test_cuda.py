@@ -276,6 +276,27 @@ def test_decode_split_merge_kernel_forced():
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
 
 
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("heads", [2, 4])
+def test_decode_serving_block_tables(preset, heads):
+    """Block tables sized for 32k tokens, as a serving engine allocates them for its longest model
+    length (the entries past each sequence are stale ids): the library sizes the grid by that
+    capacity (5-11 splits here) and each sequence takes the splits of its own length
+    (DecodeParams::split_waves), so the splits of a short sequence find no tokens and their CTAs
+    leave at once. Every output element against the CPU, the output poisoned first."""
+    head_dim = 128
+    lens = [0, 1, 40, 256, 700, 3000]
+    cache, bt, sl, _, _ = make_paged_batch(lens, 16, heads, head_dim, preset, seed=heads)
+    stale = torch.randint(0, cache.shape[0], (len(lens), 32768 // 16 - bt.shape[1]), dtype=torch.int32)
+    wide = torch.cat([bt, stale], dim=1)
+    q = torch.randn(len(lens), heads * 4, head_dim).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
+    out = poisoned_cuda_decode(q, cache, wide, sl, preset, head_dim ** -0.5, 0)
+    assert not out.isnan().any()
+    assert (out[0] == 0).all()
+    assert rel_err(out, ref) <= 2e-3
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + [96])
 @pytest.mark.parametrize("num_splits", [129, 256])
 def test_decode_merges_many_splits(head_dim, num_splits):

@@ -1,0 +1,96 @@
+"""Decode with a serving engine's block tables: each sequence's row of the block table sized for the
+longest model length (32k tokens by default; the entries past a sequence's blocks are never read),
+as vLLM allocates them. The library sees only shapes, so its kernel and split choice sees the
+table's capacity, never the lengths: this table shows what that costs at every length, for the
+default choice and for each plain-decode kernel forced (TURBOQUANT_DECODE_KERNEL, read once per
+process, hence one subprocess per kernel), next to SDPA bf16 over a dense cache of the same length.
+
+    python benchmarks/bench_serving.py [--table-tokens 32768] [--out results.md]
+
+Graph replay of one decode step, D = 128, Hq 32, Hkv 8, block size 16, auto splits; input sets
+rotated as in bench_decode.py's main table (enough to defeat the L2 from ~16 MB per set up;
+smaller sets stay L2-resident, as a short context's cache does in one step).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turboquant as tq  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache, sdpa_best_us  # noqa: E402
+from sweep_splits import with_table_tokens  # noqa: E402
+from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
+
+BATCHES = [1, 2, 4, 8]
+LENGTHS = [256, 1024, 4096, 16384, 32768]
+HQ, HKV = 32, 8
+PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
+KERNELS = ["default", "heads", "rows"]
+
+
+def ours_us(b, length, preset, table_tokens):
+    packed = b * HKV * length * tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
+    caches = [with_table_tokens(build_cache(preset, b, HKV, length, s), table_tokens)
+              for s in range(copies_to_defeat_l2(packed))]
+    q = torch.randn(b, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, 0) for c in caches]
+    us = time_us(graph_replays(fns))
+    del caches
+    torch.cuda.empty_cache()
+    return us
+
+
+def measure_ours(table_tokens):
+    """{"b,length,preset": us} for this process's kernel choice."""
+    return {f"{b},{length},{preset}": ours_us(b, length, preset, table_tokens)
+            for b in BATCHES for length in LENGTHS for preset in PRESETS}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="append the table to this markdown file")
+    p.add_argument("--table-tokens", type=int, default=32768)
+    p.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # a kernel's subprocess
+    a = p.parse_args()
+    torch.manual_seed(0)
+    if a.ours_only:
+        print(json.dumps(measure_ours(a.table_tokens)))
+        return
+    times = {}
+    for kernel in KERNELS:
+        env = dict(os.environ)
+        env.pop("TURBOQUANT_DECODE_KERNEL", None)
+        if kernel != "default":
+            env["TURBOQUANT_DECODE_KERNEL"] = kernel
+        print(f"timing the {kernel} kernel choice ...", flush=True)
+        run = subprocess.run([sys.executable, __file__, "--ours-only", "--table-tokens", str(a.table_tokens)],
+                             env=env, capture_output=True, text=True, check=True)
+        times[kernel] = json.loads(run.stdout.strip().splitlines()[-1])
+    lines = [f"Decode with block tables of {a.table_tokens} tokens (a serving engine's), D={HEAD_DIM}, Hq {HQ}, "
+             f"Hkv {HKV}, block size 16, {torch.cuda.get_device_name()}, graph replay, us; speed-up of the default "
+             "over SDPA bf16 (dense cache of L)", "",
+             "| B | L | SDPA bf16 | preset | default | per-head forced | row forced | default vs SDPA |",
+             "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for b in BATCHES:
+        for length in LENGTHS:
+            sdpa, backend = sdpa_best_us(b, HQ, HKV, length, graphed=True)[2:4]
+            for preset in PRESETS:
+                key = f"{b},{length},{preset}"
+                d, h, r = (times[k][key] for k in KERNELS)
+                row = (f"| {b} | {length} | {sdpa:.1f} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
+                       f"{r:.1f} | {sdpa / d:.2f}x |")
+                lines.append(row)
+                print(row, flush=True)
+    append_markdown(a.out, lines)
+
+
+if __name__ == "__main__":
+    main()
