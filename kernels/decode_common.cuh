@@ -357,7 +357,11 @@ __device__ __forceinline__ void merge_cluster_splits(const float* outs, const fl
     store(column, d + 2, o.z);
     store(column, d + 3, o.w);
   }
-  cluster.sync();  // neither CTA leaves while the other still reads its shared memory
+  // Neither CTA leaves while the other still reads its shared memory. A relaxed arrive: the
+  // reads it waits for have returned (their values are already in the stores above), and
+  // cluster.sync()'s release arrive compiles to MEMBAR.ALL.GPU (sm_90, nvcc 13.0), which would
+  // wait for those output stores to reach memory before the CTA may finish.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 #else
   __trap();
 #endif
