@@ -14,6 +14,8 @@
 //     with fragments dequantized in registers, online softmax in the log2 domain; the query
 //     columns are rotated once per CTA, each by its warp's FWHT in registers, while the first
 //     tiles' copies are in flight (DecodeConfig::kQueryApart).
+// Where the library chose the split count, each CTA row takes as many of the grid's splits as its
+// own context calls for (DecodeParams::split_waves); CTAs of splits with no tokens leave at once.
 // Warps combine in shared memory; with several splits the two CTAs of a cluster (2 splits,
 // merge_cluster_splits) or the merge kernel (decode_merge.cu) combine the per-split results by
 // log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
@@ -105,15 +107,15 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
   const int kv_head = blockIdx.x / head_chunks;
   const int head_chunk = blockIdx.x % head_chunks;
-  const int split = blockIdx.y;
+  const int split = blockIdx.z;
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int head0 = kv_head * group + head_chunk * kHeads;
   const int num_heads = min(kHeads, group - head_chunk * kHeads);  // heads of each query token
   // The query rows of this CTA: column j is head j % num_heads of row row0 + j / num_heads.
   const QueryChunk chunk =
       p.query_start_loc == nullptr
-          ? QueryChunk{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.z), 1, 0, 1}
-          : locate_query_chunk(p.query_start_loc, p.batch, p.query_rows, varlen_tokens_per_cta(group), blockIdx.z);
+          ? QueryChunk{static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.y), 1, 0, 1}
+          : locate_query_chunk(p.query_start_loc, p.batch, p.query_rows, varlen_tokens_per_cta(group), blockIdx.y);
   if (chunk.tokens == 0) return;  // CTA-uniform: a chunk index past its sequence's queries
   const int b = chunk.seq;
   const int block_size = p.cache.block_size;
@@ -370,7 +372,7 @@ int head_chunks_of(const DecodeParams& p) {
   return cdiv(p.num_q_heads / p.cache.num_kv_heads, kHeads);
 }
 
-// Grid z: one CTA row per sequence (plain decode) or per chunk of query tokens (varlen).
+// Grid y: one CTA row per sequence (plain decode) or per chunk of query tokens (varlen).
 int query_chunks_of(const DecodeParams& p) {
   if (p.query_start_loc == nullptr) return p.batch;
   return varlen_query_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
@@ -408,7 +410,11 @@ struct LaunchDecode {
     if (err != cudaSuccess) return err;
     const int head_chunks = head_chunks_of(p);
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
-    const dim3 grid(p.cache.num_kv_heads * head_chunks, p.num_splits, query_chunks_of(p));
+    // Splits vary slowest: where a row takes fewer splits than the grid (DecodeParams::split_waves),
+    // the CTAs with tokens come first in launch order and so get SMs of their own before any
+    // shares one (splits in y put batch 2's busy CTAs beside batch 1's, two per SM: B = 2..8 at
+    // L = 256 with 32k-token block tables took 13.3-14.1 us against B = 1's 10.0, H200, session 20).
+    const dim3 grid(p.cache.num_kv_heads * head_chunks, query_chunks_of(p), p.num_splits);
     if (merges_in_cluster<C, T>(p)) {
       // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
       cudaLaunchConfig_t config = {};
@@ -416,7 +422,7 @@ struct LaunchDecode {
       config.blockDim = dim3(kThreads);
       config.dynamicSmemBytes = C::kSmemBytes;
       config.stream = stream;
-      cudaLaunchAttribute cluster = cluster_y_attribute(p.num_splits);
+      cudaLaunchAttribute cluster = cluster_z_attribute(p.num_splits);
       config.attrs = &cluster;
       config.numAttrs = 1;
       return cudaLaunchKernelEx(&config, decode_kernel<C, T>, p, q_multiplier, head_chunks, true);
@@ -555,7 +561,7 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
   if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
-  if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid z
+  if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
   if (decode_rows_supports(p)) return launch_decode_rows(p, stream);
   if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
   return visit_decode_config(p, LaunchDecode{p, stream});

@@ -63,20 +63,20 @@ bool kernel_built_for_sm90() {
   return built;
 }
 
-// The launch attribute for clusters of `cluster_y` CTAs along the grid's y.
-inline cudaLaunchAttribute cluster_y_attribute(int cluster_y) {
+// The launch attribute for clusters of `cluster_z` CTAs along the grid's z.
+inline cudaLaunchAttribute cluster_z_attribute(int cluster_z) {
   cudaLaunchAttribute a = {};
   a.id = cudaLaunchAttributeClusterDimension;
   a.val.clusterDim.x = 1;
-  a.val.clusterDim.y = static_cast<unsigned>(cluster_y);
-  a.val.clusterDim.z = 1;
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = static_cast<unsigned>(cluster_z);
   return a;
 }
 
-// Whether the device can run clusters of kClusterY CTAs (grid y) of Kernel (opted in already,
+// Whether the device can run clusters of kClusterZ CTAs (grid z) of Kernel (opted in already,
 // `threads` and `smem_bytes` as always): an sm_90 or later device, sm_90 code in the build, and
 // room for a whole cluster on one GPC. Asked once per device.
-template <auto Kernel, int kClusterY>
+template <auto Kernel, int kClusterZ>
 bool cluster_launch_fits(int threads, int smem_bytes) {
   static std::atomic<int> cached[kMaxDevices];  // 0 not asked yet, 1 fits, 2 does not
   int device = 0;
@@ -86,10 +86,10 @@ bool cluster_launch_fits(int threads, int smem_bytes) {
     answer = 2;
     if (device_supports_dependent_launch() && kernel_built_for_sm90<Kernel>()) {
       cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(1, kClusterY, 1);
+      config.gridDim = dim3(1, 1, kClusterZ);
       config.blockDim = dim3(threads);
       config.dynamicSmemBytes = smem_bytes;
-      cudaLaunchAttribute cluster = cluster_y_attribute(kClusterY);
+      cudaLaunchAttribute cluster = cluster_z_attribute(kClusterZ);
       config.attrs = &cluster;
       config.numAttrs = 1;
       int clusters = 0;
