@@ -1,8 +1,9 @@
 """Decode with a serving engine's block tables: each sequence's row of the block table sized for the
 longest model length (32k tokens by default; the entries past a sequence's blocks are never read),
-as vLLM allocates them. The library sees only shapes, so its kernel and split choice sees the
-table's capacity, never the lengths: this table shows what that costs at every length, for the
-default choice and for each plain-decode kernel forced (TURBOQUANT_DECODE_KERNEL, read once per
+as vLLM allocates them. The library sees only shapes, so its kernel choice and the grid's split
+count see the table's capacity, never the lengths (the per-head kernel then gives each sequence
+the splits of its own length on the device; the row kernel divides it over the whole grid): this
+table shows what that costs at every length, for the default choice and for each plain-decode kernel forced (TURBOQUANT_DECODE_KERNEL, read once per
 process, hence one subprocess per kernel), next to SDPA bf16 over a dense cache of the same length.
 
     python benchmarks/bench_serving.py [--table-tokens 32768] [--out results.md]
@@ -71,7 +72,9 @@ def main():
             env["TURBOQUANT_DECODE_KERNEL"] = kernel
         print(f"timing the {kernel} kernel choice ...", flush=True)
         run = subprocess.run([sys.executable, __file__, "--ours-only", "--table-tokens", str(a.table_tokens)],
-                             env=env, capture_output=True, text=True, check=True)
+                             env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"the {kernel} kernel's run failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
         times[kernel] = json.loads(run.stdout.strip().splitlines()[-1])
     lines = [f"Decode with block tables of {a.table_tokens} tokens (a serving engine's), D={HEAD_DIM}, Hq {HQ}, "
              f"Hkv {HKV}, block size 16, {torch.cuda.get_device_name()}, graph replay, us; speed-up of the default "

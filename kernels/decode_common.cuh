@@ -360,7 +360,9 @@ __device__ __forceinline__ void merge_cluster_splits(const float* outs, const fl
   // Neither CTA leaves while the other still reads its shared memory. A relaxed arrive: the
   // reads it waits for have returned (their values are already in the stores above), and
   // cluster.sync()'s release arrive compiles to MEMBAR.ALL.GPU (sm_90, nvcc 13.0), which would
-  // wait for those output stores to reach memory before the CTA may finish.
+  // wait for those output stores to reach memory before the CTA may finish. So every load from
+  // the partner's shared memory above must feed a store before this point (a relaxed arrive
+  // does not order loads whose values are unused).
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 #else
   __trap();

@@ -20,8 +20,10 @@ TQ_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // at once): more waves only add per-CTA set-up, merge work and tail imbalance (measured on the
 // H200, benchmarks/RESULTS.md). Never fewer tokens per split than min_tokens_per_split of the
 // largest context the block table can hold: a serving engine whose block tables cover its longest
-// model length gets the full wave of splits at every sequence length (B = 1, 32k-token tables:
-// 16 splits of 16 tokens at L = 256, where 2 took 8.6 us and 16 9.7; RESULTS.md, session 19).
+// model length gets the full wave of splits in the grid at every sequence length; the per-head
+// decode kernel then gives each sequence only the splits of its own length (splits_for_context),
+// the row and chunked kernels divide it over all of them (B = 1, 32k-token tables: 16 splits of
+// 16 tokens at L = 256, where 2 took 8.6 us and 16 9.7; RESULTS.md, session 19).
 TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas,
                             int min_tokens_per_split = kMinTokensPerSplit) {
   const int base = batch * ctas_per_split;
@@ -63,7 +65,7 @@ TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
 // sequence the full wave of 16-token splits. Both give the same count for a table of exactly
 // the sequence's length.
 struct SplitWaves {
-  int one_per_sm = 0;  // splits that fill one CTA per SM, before the context's cap (0: not set)
+  int one_per_sm = 0;  // splits that fill one CTA per SM, before the context's cap; >= 1 once set (0: not set)
   int two_per_sm = 0;  // ... two per SM; 0 where only one is considered (FP8 keys, one resident)
   int min_tokens = kMinTokensPerSplit;  // the fewest tokens a split keeps
   int tokens_per_pass = kTokenTile;     // tokens the CTA's warps take in one step (tiles x warps)
@@ -73,7 +75,7 @@ TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split
                                     int warps_per_range) {
   const int base = batch * ctas_per_split;
   SplitWaves w;
-  w.one_per_sm = base > 0 ? sm_count / base : 1;
+  w.one_per_sm = base > 0 && sm_count / base > 1 ? sm_count / base : 1;  // never 0: that means "not set"
   w.two_per_sm = fp8_keys || resident_per_sm <= 1 ? 0 : (base > 0 ? sm_count * resident_per_sm / base : 1);
   w.min_tokens = decode_min_tokens_per_split(warps_per_range);
   w.tokens_per_pass = kTokenTile * warps_per_range;

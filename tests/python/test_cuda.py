@@ -276,25 +276,63 @@ def test_decode_split_merge_kernel_forced():
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
 
 
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
-@pytest.mark.parametrize("heads", [2, 4])
-def test_decode_serving_block_tables(preset, heads):
+SERVING_LENS = [0, 1, 40, 256, 700, 3000]
+
+
+def _serving_table(bt, cache, tokens=32768):
+    """bt widened to `tokens` tokens per sequence, as a serving engine sizes it for its longest model
+    length; the entries past each sequence's blocks are stale ids of other blocks."""
+    stale = torch.randint(0, cache.shape[0], (bt.shape[0], tokens // 16 - bt.shape[1]), dtype=torch.int32)
+    return torch.cat([bt, stale], dim=1)
+
+
+def _poison_output_and_workspace(out_like):
+    """NaN in freed blocks of the caching allocator that the next allocations reuse: one of the
+    output's size (it takes it) and ~1 MB of the small pool (the split workspace comes from it). A
+    log-sum-exp, partial vector or output element the decode should have written and did not then
+    shows up as NaN. Call it after the inputs are on the GPU."""
+    junk = [torch.full_like(out_like, float("nan")), torch.full(((1 << 18) - 64,), float("nan"), device="cuda")]
+    del junk
+
+
+@pytest.mark.parametrize("preset, heads, lens", [
+    ("turboquant_4bit_nc", 2, SERVING_LENS),  # 11 splits in the grid
+    ("turboquant_4bit_nc", 4, SERVING_LENS),  # 11
+    ("turboquant_k8v4", 4, SERVING_LENS),     # 5
+    ("turboquant_k8v4", 4, SERVING_LENS + [200, 129, 128, 2, 17, 4000, 333, 90, 1500, 64]),  # B = 16: 2, merged in clusters
+])
+def test_decode_serving_block_tables(preset, heads, lens):
     """Block tables sized for 32k tokens, as a serving engine allocates them for its longest model
-    length (the entries past each sequence are stale ids): the library sizes the grid by that
-    capacity (5-11 splits here) and each sequence takes the splits of its own length
-    (DecodeParams::split_waves), so the splits of a short sequence find no tokens and their CTAs
-    leave at once. Every output element against the CPU, the output poisoned first."""
+    length: the library sizes the per-head kernel's grid by that capacity and each sequence takes
+    the splits of its own length (DecodeParams::split_waves), so the splits of a short sequence find
+    no tokens and their CTAs leave at once (with the cluster merge, the empty CTA of a pair still
+    merges). Every output element against the CPU, the output and the workspace poisoned first."""
     head_dim = 128
-    lens = [0, 1, 40, 256, 700, 3000]
-    cache, bt, sl, _, _ = make_paged_batch(lens, 16, heads, head_dim, preset, seed=heads)
-    stale = torch.randint(0, cache.shape[0], (len(lens), 32768 // 16 - bt.shape[1]), dtype=torch.int32)
-    wide = torch.cat([bt, stale], dim=1)
+    cache, bt, sl, _, _ = make_paged_batch(lens, 16, heads, head_dim, preset, seed=heads + len(lens))
     q = torch.randn(len(lens), heads * 4, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
-    out = poisoned_cuda_decode(q, cache, wide, sl, preset, head_dim ** -0.5, 0)
+    args = [t.cuda() for t in (q, cache, _serving_table(bt, cache), sl)]
+    _poison_output_and_workspace(args[0])
+    out = tq.decode(*args, preset, head_dim ** -0.5, 0).cpu()
     assert not out.isnan().any()
     assert (out[0] == 0).all()
     assert rel_err(out, ref) <= 2e-3
+
+
+def test_decode_varlen_serving_block_tables():
+    """The same for varlen queries of 1-3 tokens (the per-head kernel's query chunks, each chunk
+    with the splits of its own causal context)."""
+    preset, heads, head_dim, group = "turboquant_4bit_nc", 2, 128, 4
+    q_lens = [1, 2, 3, 1, 2, 1]
+    cache, bt, sl, _, _ = make_paged_batch(SERVING_LENS, 16, heads, head_dim, preset, seed=3)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), heads * group, head_dim).half().float()
+    ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, 1)
+    dev = [t.cuda() for t in (query.half(), cache, _serving_table(bt, cache), sl, starts)]
+    _poison_output_and_workspace(dev[0])
+    out = tq.decode_varlen(*dev, preset, 0.1, 0)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.float().cpu(), ref) <= 2e-3
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + [96])
