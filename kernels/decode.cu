@@ -135,12 +135,18 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
   auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
-  // The splits this row takes: where the library chose the count (split_waves set), as many as
-  // its own context calls for, at most the grid's; the rest of the grid's splits find no tokens.
+  // The splits this row takes: where the library chose the count and the context is shorter than
+  // split_waves.full_context, as many as its own context calls for (fewer than the grid's; the
+  // rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
+  // only below full_context: the rule costs three dependent integer divisions between seq_len's
+  // load and the block ids' (applied to every row it measured about 0.3 us slower per short step,
+  // H200, session 20, calls 1 and 2), while the grid's count is known at launch, so the compiler
+  // computes its reciprocal while seq_len is in flight (SASS, sm_90).
   const int context = limit(num_columns - 1);
-  const int row_splits =
-      p.split_waves.one_per_sm > 0 ? min(p.num_splits, splits_for_context(p.split_waves, context)) : p.num_splits;
-  const TokenRange range = split_token_range(context, row_splits, split);
+  TokenRange range = split_token_range(context, p.num_splits, split);
+  if (context < p.split_waves.full_context) {
+    range = split_token_range(context, min(p.num_splits, splits_for_context(p.split_waves, context)), split);
+  }
   if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
@@ -544,7 +550,9 @@ int decode_default_num_splits(const DecodeParams& p) {
 
 SplitWaves decode_adaptive_split_waves(const DecodeParams& p) {
   if (use_chunked_varlen(p) || decode_rows_supports(p)) return SplitWaves{};
-  return per_head_split_waves(p);
+  SplitWaves w = per_head_split_waves(p);
+  w.full_context = first_context_with_splits(w, p.num_splits, p.max_blocks_per_seq * p.cache.block_size);
+  return w;
 }
 
 // The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge

@@ -56,8 +56,8 @@ struct DecodeParams {
   // Set where the library chose num_splits for the per-head kernel (decode_adaptive_split_waves):
   // each CTA row then takes min(num_splits, splits_for_context(split_waves, its context)) of
   // the grid's splits, so a short sequence in a block table sized for long ones keeps the splits
-  // its own length calls for, and the CTAs of the other splits exit at once. Unset
-  // (one_per_sm 0): every sequence is divided into num_splits.
+  // its own length calls for, and the CTAs of the other splits exit at once. Unset (full_context
+  // 0): every sequence is divided into num_splits.
   SplitWaves split_waves;
   // Workspace for num_splits > 1, sized for num_splits partials per row; a kernel may write fewer
   // (the row kernel: one per CTA, its two splits folded) and merge that many, at that stride.

@@ -65,17 +65,20 @@ TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
 // sequence the full wave of 16-token splits. Both give the same count for a table of exactly
 // the sequence's length.
 struct SplitWaves {
-  int one_per_sm = 0;  // splits that fill one CTA per SM, before the context's cap; >= 1 once set (0: not set)
+  int one_per_sm = 1;  // splits that fill one CTA per SM, before the context's cap (at least 1)
   int two_per_sm = 0;  // ... two per SM; 0 where only one is considered (FP8 keys, one resident)
   int min_tokens = kMinTokensPerSplit;  // the fewest tokens a split keeps
   int tokens_per_pass = kTokenTile;     // tokens the CTA's warps take in one step (tiles x warps)
+  // Contexts from this one on take every split of the grid (first_context_with_splits), so the
+  // device applies the rule only below it; 0 (the default): every context takes the whole grid.
+  int full_context = 0;
 };
 
 TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split, int sm_count, int resident_per_sm,
                                     int warps_per_range) {
   const int base = batch * ctas_per_split;
   SplitWaves w;
-  w.one_per_sm = base > 0 && sm_count / base > 1 ? sm_count / base : 1;  // never 0: that means "not set"
+  w.one_per_sm = base > 0 && sm_count / base > 1 ? sm_count / base : 1;
   w.two_per_sm = fp8_keys || resident_per_sm <= 1 ? 0 : (base > 0 ? sm_count * resident_per_sm / base : 1);
   w.min_tokens = decode_min_tokens_per_split(warps_per_range);
   w.tokens_per_pass = kTokenTile * warps_per_range;
@@ -92,6 +95,24 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   const int filled = w.two_per_sm < cap ? (w.two_per_sm > 1 ? w.two_per_sm : 1) : cap;
   const int tiles_per_warp = context / (filled * w.tokens_per_pass);
   return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one : filled;
+}
+
+// The shortest context in [0, max_context] that the rule gives at least `num_splits` splits
+// (max_context + 1 if none does). The rule is monotone in the context for the per-head kernel's
+// waves (GTest), so every longer context takes the grid's whole count: the device skips the rule's
+// divisions there (DecodeParams::split_waves, SplitWaves::full_context). Host only (a binary search).
+inline int first_context_with_splits(const SplitWaves& w, int num_splits, int max_context) {
+  if (splits_for_context(w, max_context) < num_splits) return max_context + 1;
+  int lo = 0, hi = max_context;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (splits_for_context(w, mid) >= num_splits) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
 }
 
 TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int max_context, int sm_count,

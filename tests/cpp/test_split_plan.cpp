@@ -80,6 +80,21 @@ TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {
   EXPECT_EQ(splits_for_context(w, 1024), 8);
   EXPECT_EQ(splits_for_context(w, 1), 1);
   EXPECT_EQ(splits_for_context(w, 0), 1);
+  // The device skips the rule from the first context that takes the whole grid on.
+  EXPECT_EQ(first_context_with_splits(w, 16, 32768), 15 * 128 + 1);
+  EXPECT_EQ(first_context_with_splits(w, 2, 256), 129);
+  EXPECT_EQ(first_context_with_splits(w, 1, 32768), 0);
+  EXPECT_EQ(first_context_with_splits(w, 17, 32768), 32769) << "a count the rule never gives: the rule everywhere";
+  for (int batch : {1, 3, 8}) {
+    const SplitWaves waves = decode_split_waves(false, batch, 8, 132, 2, 8);
+    for (int capacity : {256, 1000, 32768}) {
+      const int grid = splits_for_context(waves, capacity);
+      const int first = first_context_with_splits(waves, grid, capacity);
+      for (int context = 0; context <= capacity; context += 13) {
+        EXPECT_EQ(splits_for_context(waves, context) >= grid, context >= first) << context << " of " << capacity;
+      }
+    }
+  }
   // Two per SM once each warp keeps 16 tiles: B = 4 fills 8 splits of 4096 tokens.
   EXPECT_EQ(splits_for_context(decode_split_waves(false, 4, 8, 132, 2, 8), 32768), 8);
   EXPECT_EQ(splits_for_context(decode_split_waves(false, 4, 8, 132, 2, 8), 1024), 4);
