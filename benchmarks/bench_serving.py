@@ -42,16 +42,18 @@ def ours_us(b, length, preset, table_tokens):
     q = torch.randn(b, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, 0) for c in caches]
-    us = time_us(graph_replays(fns))
-    del caches
-    torch.cuda.empty_cache()
-    return us
+    return time_us(graph_replays(fns))
 
 
 def measure_ours(table_tokens):
     """{"b,length,preset": us} for this process's kernel choice."""
-    return {f"{b},{length},{preset}": ours_us(b, length, preset, table_tokens)
-            for b in BATCHES for length in LENGTHS for preset in PRESETS}
+    times = {}
+    for b in BATCHES:
+        for length in LENGTHS:
+            for preset in PRESETS:
+                times[f"{b},{length},{preset}"] = ours_us(b, length, preset, table_tokens)
+                torch.cuda.empty_cache()  # the shape's caches and graphs are gone with ours_us' frame
+    return times
 
 
 def main():

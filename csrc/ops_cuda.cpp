@@ -104,8 +104,7 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   if (num_splits > 0) {
     p.num_splits = static_cast<int>(num_splits);  // as asked: every sequence is divided into that many
   } else {
-    p.num_splits = decode_default_num_splits(p);
-    p.split_waves = decode_adaptive_split_waves(p);
+    choose_decode_splits(p);
   }
   TQ_CHECK(p.num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be at most ", kMaxDecodeSplits, ", got ",
            p.num_splits);

@@ -135,6 +135,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
   auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
+  auto out_row = [&](int h) { return columns.row(h, column_token(h, num_heads)); };  // column h's row of out
   // The splits this row takes: where the library chose the count and the context is shorter than
   // split_waves.full_context, as many as its own context calls for (fewer than the grid's; the
   // rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
@@ -151,8 +152,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
     if (static_cast<int>(threadIdx.x) < num_columns) {
-      const int h = threadIdx.x;
-      p.partial_lse[columns.row(h, column_token(h, num_heads)) * p.num_splits + split] = -INFINITY;
+      p.partial_lse[out_row(threadIdx.x) * p.num_splits + split] = -INFINITY;
     }
     return;
   }
@@ -305,7 +305,6 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   float* mine = merge + warp * kHeads * kRow;
   float* split_outs = merge + kWarps * kHeads * kRow;  // [kHeads][D], then split_lses [kHeads]: cluster_splits only
   float* split_lses = split_outs + kHeads * D;
-  auto out_row = [&](int h) { return columns.row(h, column_token(h, num_heads)); };  // column h's row of out
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) {
     const int d = g * (D / 8) + 2 * i;
@@ -523,14 +522,13 @@ static SplitWaves per_head_split_waves(const DecodeParams& p) {
 // alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
 // too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
 // 128 tokens 3 instead of 4).
-int decode_default_num_splits(const DecodeParams& p) {
+void choose_decode_splits(DecodeParams& p) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
-  const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
-  int splits;
+  p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
   if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
-    splits = default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2);
+    p.num_splits = std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), 128);
   } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
     // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, so no
     // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
@@ -539,20 +537,16 @@ int decode_default_num_splits(const DecodeParams& p) {
     // with 256-token halves in 64) where the earlier one-split CTAs took 27.5; the shapes of 8 and
     // more sequences gained 2-9 %. At most 128 CTAs, as other plans' 128 splits.
     const int per_cta = decode_rows_splits_per_cta(p);
-    splits = per_cta * decode_num_splits(fp8, p.batch, p.cache.num_kv_heads / kDecodeWarps, max_context,
-                                         device_sm_count(), decode_rows_resident_ctas(p), 1);
-    return std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
-  } else {
-    splits = splits_for_context(per_head_split_waves(p), max_context);
+    const int splits = per_cta * decode_num_splits(p.layout.key_format == KeyFormat::kFp8, p.batch,
+                                                   p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
+                                                   decode_rows_resident_ctas(p), 1);
+    p.num_splits = std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
+  } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
+    SplitWaves w = per_head_split_waves(p);
+    p.num_splits = std::min(splits_for_context(w, max_context), 128);
+    w.full_context = first_context_with_splits(w, p.num_splits, max_context);
+    p.split_waves = w;
   }
-  return std::min(splits, 128);
-}
-
-SplitWaves decode_adaptive_split_waves(const DecodeParams& p) {
-  if (use_chunked_varlen(p) || decode_rows_supports(p)) return SplitWaves{};
-  SplitWaves w = per_head_split_waves(p);
-  w.full_context = first_context_with_splits(w, p.num_splits, p.max_blocks_per_seq * p.cache.block_size);
-  return w;
 }
 
 // The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge

@@ -53,7 +53,7 @@ struct DecodeParams {
   Codebook codebook;
   float scale = 1.0f;
   int num_splits = 1;
-  // Set where the library chose num_splits for the per-head kernel (decode_adaptive_split_waves):
+  // Set where the library chose num_splits for the per-head kernel (choose_decode_splits):
   // each CTA row then takes min(num_splits, splits_for_context(split_waves, its context)) of
   // the grid's splits, so a short sequence in a block table sized for long ones keeps the splits
   // its own length calls for, and the CTAs of the other splits exit at once. Unset (full_context
@@ -96,11 +96,9 @@ int env_kernel_choice(const char* variable, const char* first, const char* secon
 
 constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) the merge combines
 
-// Split-KV count the decode picks for these shapes on the current device.
-int decode_default_num_splits(const DecodeParams& p);
-// The split rule's shape-only part for p's per-head decode (DecodeParams::split_waves), or an
-// unset one where another kernel serves p.
-SplitWaves decode_adaptive_split_waves(const DecodeParams& p);
+// The library's split plan for these shapes on the current device: sets p.num_splits and, where
+// the per-head kernel serves p, p.split_waves (each row's share of the grid by its context).
+void choose_decode_splits(DecodeParams& p);
 // Whether launch_decode(p) uses p.partial_out and p.partial_lse (sized for p.num_splits partials
 // per row): not for one split, nor where the per-head kernel merges its splits inside a cluster.
 bool decode_uses_split_workspace(const DecodeParams& p);

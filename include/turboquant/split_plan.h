@@ -90,7 +90,7 @@ TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split
 // tiles.
 TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
-  const int one = w.one_per_sm < cap ? (w.one_per_sm > 1 ? w.one_per_sm : 1) : cap;
+  const int one = w.one_per_sm < cap ? w.one_per_sm : cap;
   if (w.two_per_sm == 0) return one;
   const int filled = w.two_per_sm < cap ? (w.two_per_sm > 1 ? w.two_per_sm : 1) : cap;
   const int tiles_per_warp = context / (filled * w.tokens_per_pass);

@@ -81,11 +81,22 @@ def store_fp16_extremes(preset: str, head_dim: int = 128):
     return cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
 
-def poisoned_cuda_decode(q, cache, bt, sl, preset: str, scale: float, splits: int) -> torch.Tensor:
-    """The CUDA decode with NaN left in the caching allocator's next block of the output's size
-    (the inputs are on the GPU first, so the output is the next allocation of that size), so an
-    element the kernel forgets to write cannot pass. Returns the output on the CPU."""
-    args = [t.cuda() for t in (q, cache, bt, sl)]
-    junk = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+def poison_next_allocations(out_like: torch.Tensor, workspace: bool = False) -> None:
+    """NaN left in freed blocks of the caching allocator that the next allocations reuse: one of
+    out_like's size (the output takes it) and, with `workspace`, ~1 MB of the small pool (the split
+    workspace comes from it). An output element, log-sum-exp or partial vector the decode should
+    have written and did not then shows up as NaN. Call it once the inputs are on the GPU."""
+    junk = [torch.full_like(out_like, float("nan"))]
+    if workspace:
+        junk.append(torch.full(((1 << 18) - 64,), float("nan"), device=out_like.device))
     del junk
+
+
+def poisoned_cuda_decode(q, cache, bt, sl, preset: str, scale: float, splits: int,
+                         workspace: bool = False) -> torch.Tensor:
+    """The CUDA decode with NaN left where its output (and, with `workspace`, its split workspace)
+    will be allocated (poison_next_allocations), so an element the kernel forgets to write cannot
+    pass. Returns the output on the CPU."""
+    args = [t.cuda() for t in (q, cache, bt, sl)]
+    poison_next_allocations(args[0], workspace)
     return tq.decode(*args, preset, scale, splits).cpu()

@@ -11,7 +11,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, poisoned_cuda_decode, store_fp16_extremes
+from helpers import make_paged_batch, poison_next_allocations, poisoned_cuda_decode, store_fp16_extremes
 from reference import hadamard_matrix, rel_err
 
 pytestmark = requires_cuda
@@ -286,15 +286,6 @@ def _serving_table(bt, cache, tokens=32768):
     return torch.cat([bt, stale], dim=1)
 
 
-def _poison_output_and_workspace(out_like):
-    """NaN in freed blocks of the caching allocator that the next allocations reuse: one of the
-    output's size (it takes it) and ~1 MB of the small pool (the split workspace comes from it). A
-    log-sum-exp, partial vector or output element the decode should have written and did not then
-    shows up as NaN. Call it after the inputs are on the GPU."""
-    junk = [torch.full_like(out_like, float("nan")), torch.full(((1 << 18) - 64,), float("nan"), device="cuda")]
-    del junk
-
-
 @pytest.mark.parametrize("preset, heads, lens", [
     ("turboquant_4bit_nc", 2, SERVING_LENS),  # 11 splits in the grid
     ("turboquant_4bit_nc", 4, SERVING_LENS),  # 11
@@ -311,9 +302,7 @@ def test_decode_serving_block_tables(preset, heads, lens):
     cache, bt, sl, _, _ = make_paged_batch(lens, 16, heads, head_dim, preset, seed=heads + len(lens))
     q = torch.randn(len(lens), heads * 4, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
-    args = [t.cuda() for t in (q, cache, _serving_table(bt, cache), sl)]
-    _poison_output_and_workspace(args[0])
-    out = tq.decode(*args, preset, head_dim ** -0.5, 0).cpu()
+    out = poisoned_cuda_decode(q, cache, _serving_table(bt, cache), sl, preset, head_dim ** -0.5, 0, workspace=True)
     assert not out.isnan().any()
     assert (out[0] == 0).all()
     assert rel_err(out, ref) <= 2e-3
@@ -329,7 +318,7 @@ def test_decode_varlen_serving_block_tables():
     query = torch.randn(int(starts[-1]), heads * group, head_dim).half().float()
     ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, 1)
     dev = [t.cuda() for t in (query.half(), cache, _serving_table(bt, cache), sl, starts)]
-    _poison_output_and_workspace(dev[0])
+    poison_next_allocations(dev[0], workspace=True)
     out = tq.decode_varlen(*dev, preset, 0.1, 0)
     assert torch.isfinite(out).all()
     assert rel_err(out.float().cpu(), ref) <= 2e-3
