@@ -11,7 +11,9 @@
 //     lane, so issuing a tile never waits on the block table; the consumer finds each row in its
 //     window from one number per tile in a register (the tile's first slot address mod 32);
 //   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
-//     with fragments dequantized in registers, online softmax in the log2 domain; the query
+//     with fragments dequantized in registers (read in the interleaved order of
+//     turboquant/fragment_order.h, with aligned loads, where the cache's strides give every slot
+//     of the KV head the same offset mod 4), online softmax in the log2 domain; the query
 //     columns are rotated once per CTA, each by its warp's FWHT in registers, while the first
 //     tiles' copies are in flight (DecodeConfig::kQueryApart).
 // Where the library chose the split count, each CTA row takes as many of the grid's splits as its
@@ -94,6 +96,17 @@ struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   static constexpr int kSmemBytes = kSharedBytes + (kQueryApart ? kQueryBytes : 0);
 };
 
+// The slot offset mod 4 the tile loop of C is instantiated for: `misalign` where the tile math
+// reads that offset's interleaved order (turboquant/fragment_order.h: 4-bit keys, FP8 keys at 0,
+// 4-bit values) and, for 2, slots of C can start there in a contiguous cache (a slot size that is
+// not a multiple of 4); else kUnknownMisalign (the contiguous order, which serves any offset).
+template <class C>
+constexpr int tile_order_misalign(int misalign) {
+  const bool occurs = misalign == 0 || (misalign == 2 && C::kSlotBytes % 4 != 0);
+  const bool interleaved = keys_interleaved(C::KB, misalign, C::D) || values_interleaved(C::VB, misalign, C::D);
+  return occurs && interleaved ? misalign : kUnknownMisalign;
+}
+
 template <class C, typename T>
 __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kernel(const DecodeParams p, const float q_multiplier,
                                                           const int head_chunks, const bool cluster_splits) {
@@ -166,6 +179,14 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
   const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
 
+  // Every slot of this CTA's KV head sits at the same offset mod 4 where the block and token strides
+  // are multiples of 4 (vLLM's layout at an even KV head count, or slot sizes that are): the tile
+  // math then reads keys and values in the interleaved order of turboquant/fragment_order.h with
+  // aligned shared-memory loads instead of funnel-shifting every word of six rows per tile. Other
+  // layouts (and presets the order does not cover) take the contiguous order, for any offset.
+  const int slot_misalign =
+      tile_order_misalign<C>(head_slot_misalign(p.cache.stride_block, p.cache.stride_token, head_offset));
+
   // Tile addresses, 32 tiles per window: lane i holds the byte offset of row 0 of local tile
   // 32 * window + i (its block's base plus the tile's offset in the block and the KV head's),
   // or -1 for a block id outside the cache. The block ids of the next window are loaded when the
@@ -189,18 +210,9 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // then B fragments of Q^T (decode_tile.cuh): before the first tiles are issued where the query
   // shares the ring's bytes, after it where it has its own area (kQueryApart).
   float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kHeads][D]
-  uint32_t qf[C::kKSteps][2];
-  auto stage_query = [&] {
-    Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
-    if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
-    __syncthreads();
-    device::query_fragments<D, C::KB>(qs, g, c, q_multiplier, qf);
-    if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
-  };
-  if constexpr (!C::kQueryApart) stage_query();
   // This thread's score columns' limits: only the tile loop needs them.
   const int limit0 = limit(2 * c), limit1 = limit(2 * c + 1);
-  int64_t tile_bases = tile_base(0, first_block_id);
+  int64_t tile_bases;  // set by the pipeline, after the query set-up where that comes first
 
   // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the 16-byte
   // chunks from the slot's start rounded down to 32 bytes to its end. Every lane commits one
@@ -249,49 +261,75 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       }
     }
     cp_async_commit();
-    return tile_window_code(base, C::kWindowAlign);
+    return tile_window_code(base, C::kWindowAlign, slot_misalign);
   };
 
   device::TileAttention<C::kKSteps> st;  // running softmax statistics and O^T fragments
-
-  // Codes of the tiles in flight, oldest first (register FIFO: indices fold to constants).
-  int codes[C::kStages - 1];
-#pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) {
-    if (s < my_tiles) {
-      codes[s] = issue_tile(s, s);
-    } else {
-      cp_async_commit();
-      codes[s] = kMaskedTileCode;
-    }
-  }
-  if constexpr (C::kQueryApart) stage_query();  // the first tiles' copies are in flight meanwhile
-  const int stride_mod = static_cast<int>(p.cache.stride_token & (C::kWindowAlign - 1));
-  int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
-  for (int it = 0; it < my_tiles; ++it) {
-    const int next = it + C::kStages - 1;
-    const int tile_code = codes[0];
-    int next_codes = kMaskedTileCode;
-    if (next < my_tiles) next_codes = issue_tile(next, next_stage);
-    else cp_async_commit();
-#pragma unroll
-    for (int s = 0; s + 1 < C::kStages - 1; ++s) codes[s] = codes[s + 1];
-    codes[C::kStages - 2] = next_codes;
-    next_stage = next_stage == C::kStages - 1 ? 0 : next_stage + 1;
-    cp_async_wait<C::kStages - 1>();  // this lane's copies of tile `it` have landed
-    __syncwarp();  // ... and every lane's
-
-    const uint8_t* rows = ring + stage * C::kTileBytes;
-    auto slot_ptr = [&](int r) {
-      return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
+  // The query fragments, the first tiles' copies and the tile loop for slots at kMisalign mod 4.
+  auto pipeline = [&](auto misalign) {
+    constexpr int kMisalign = decltype(misalign)::value;
+    // The query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table, then
+    // B fragments of Q^T in the key order of kMisalign (decode_tile.cuh): before the first tiles
+    // are issued where the query shares the ring's bytes, after it where it has its own area
+    // (kQueryApart).
+    uint32_t qf[C::kKSteps][2];
+    auto stage_query = [&] {
+      Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
+      if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
+      __syncthreads();
+      device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
+      if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
     };
-    const int pos_lo = tile_start(it) + g;
-    const bool tile_ok = tile_code >= 0;
-    device::attend_tile<C>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end, tile_ok && pos_lo + 8 < range.end,
-                           limit0, limit1, table_lane, qf, st);
-    // The next iteration refills this stage: every lane's reads of it are done before that.
-    __syncwarp();
-    stage = stage == C::kStages - 1 ? 0 : stage + 1;
+    if constexpr (!C::kQueryApart) stage_query();
+    tile_bases = tile_base(0, first_block_id);
+
+    // Codes of the tiles in flight, oldest first (register FIFO: indices fold to constants).
+    int codes[C::kStages - 1];
+#pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) {
+      if (s < my_tiles) {
+        codes[s] = issue_tile(s, s);
+      } else {
+        cp_async_commit();
+        codes[s] = kMaskedTileCode;
+      }
+    }
+    if constexpr (C::kQueryApart) stage_query();  // the first tiles' copies are in flight meanwhile
+    const int stride_mod = static_cast<int>(p.cache.stride_token & (C::kWindowAlign - 1));
+    int stage = 0, next_stage = C::kStages - 1;  // ring slots of tiles it and it + kStages - 1
+    for (int it = 0; it < my_tiles; ++it) {
+      const int next = it + C::kStages - 1;
+      const int tile_code = codes[0];
+      int next_codes = kMaskedTileCode;
+      if (next < my_tiles) next_codes = issue_tile(next, next_stage);
+      else cp_async_commit();
+#pragma unroll
+      for (int s = 0; s + 1 < C::kStages - 1; ++s) codes[s] = codes[s + 1];
+      codes[C::kStages - 2] = next_codes;
+      next_stage = next_stage == C::kStages - 1 ? 0 : next_stage + 1;
+      cp_async_wait<C::kStages - 1>();  // this lane's copies of tile `it` have landed
+      __syncwarp();  // ... and every lane's
+
+      const uint8_t* rows = ring + stage * C::kTileBytes;
+      auto slot_ptr = [&](int r) {
+        return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
+      };
+      const int pos_lo = tile_start(it) + g;
+      const bool tile_ok = tile_code >= 0;
+      device::attend_tile<C, kMisalign>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end,
+                                        tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane, qf, st);
+      // The next iteration refills this stage: every lane's reads of it are done before that.
+      __syncwarp();
+      stage = stage == C::kStages - 1 ? 0 : stage + 1;
+    }
+  };
+  // CTA-uniform; slot_misalign is 0 or 2 only where that order is instantiated.
+  if (slot_misalign == 0) {
+    if constexpr (tile_order_misalign<C>(0) == 0) pipeline(std::integral_constant<int, 0>{});
+  } else if (slot_misalign == 2) {
+    if constexpr (tile_order_misalign<C>(2) == 2) pipeline(std::integral_constant<int, 2>{});
+  } else {
+    pipeline(std::integral_constant<int, kUnknownMisalign>{});
   }
 
   device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
@@ -307,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   float* split_lses = split_outs + kHeads * D;
 #pragma unroll
   for (int i = 0; i < C::kKSteps; ++i) {
-    const int d = g * (D / 8) + 2 * i;
+    const int d = 2 * value_pair(g, i, D, C::VB, value_misalign(slot_misalign, C::kLayout.value_data_offset));
     mine[(2 * c) * kRow + d] = st.acc[i][0];
     mine[(2 * c + 1) * kRow + d] = st.acc[i][1];
     mine[(2 * c) * kRow + d + 1] = st.acc[i][2];

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 520: the whole suite took over 450 s in session 20); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
-# picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on it, default 1 32 8 32768); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
+# picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on each, default 1 32 8 32768); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
 # each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
@@ -182,11 +182,14 @@ if has profile; then  # DECODE_SHAPE may list several shapes, separated by ";": 
     ncu_profile "$name" "decode_(rows_)?kernel" decode --shape $shape
   done
 fi
-if has profile_kernels; then  # the per-head and the row kernel on one shape (DECODE_SHAPE, default 1 32 8 32768)
+if has profile_kernels; then  # the per-head and the row kernel on each shape of DECODE_SHAPE (default 1 32 8 32768)
   mark_step profile_kernels
-  for kernel in heads rows; do
-    TURBOQUANT_DECODE_KERNEL=$kernel ncu_profile "decode_profile_$kernel" "decode_(rows_)?kernel" decode \
-      --shape ${DECODE_SHAPE:-1 32 8 32768}
+  IFS=';' read -ra profile_shapes <<< "${DECODE_SHAPE:-1 32 8 32768}"
+  for shape in "${profile_shapes[@]}"; do
+    for kernel in heads rows; do
+      name=decode_profile_$kernel; [ "${#profile_shapes[@]}" -gt 1 ] && name=${name}_$(echo $shape | tr ' ' '_')
+      TURBOQUANT_DECODE_KERNEL=$kernel ncu_profile "$name" "decode_(rows_)?kernel" decode --shape $shape
+    done
   done
 fi
 if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "turboquant/fragment_order.h"
 #include "turboquant/macros.h"
 
 namespace turboquant {
@@ -30,8 +31,12 @@ TQ_HD bool window_chunk_needed(int chunk, int offset, int slot_bytes) {
 // the cache (negative, and a multiple of every alignment up to 32 so the offsets derived from it
 // stay even: a masked row's fp16 fields are still read, then discarded).
 constexpr int kMaskedTileCode = -32;
-TQ_HD int tile_window_code(int64_t row0_slot, int align) {
-  return row0_slot >= 0 ? offset_in_window(row0_slot, align) : kMaskedTileCode;
+// Where the tile math reads every row at a known offset mod 4 (`misalign`, 0 or 2: the interleaved
+// fragment order, head_slot_misalign), a masked tile's rows keep that offset too, or the aligned
+// loads around a row would start before it (before the ring for row 0 of the first stage).
+TQ_HD int masked_tile_code(int misalign) { return kMaskedTileCode + (misalign > 0 ? misalign : 0); }
+TQ_HD int tile_window_code(int64_t row0_slot, int align, int misalign = kUnknownMisalign) {
+  return row0_slot >= 0 ? offset_in_window(row0_slot, align) : masked_tile_code(misalign);
 }
 
 // Offset in its window of row r of a tile: rows are stride_token bytes apart, so with
@@ -39,6 +44,13 @@ TQ_HD int tile_window_code(int64_t row0_slot, int align) {
 // (code + r * stride_mod) mod align.
 TQ_HD int row_offset_in_window(int tile_code, int r, int stride_mod, int align) {
   return (tile_code + r * stride_mod) & (align - 1);
+}
+
+// The offset mod 4 that every slot of one KV head shares (head_offset: the head's byte offset in a
+// token row; the cache base is 16-byte aligned), whatever its block and token: 0 or 2 where the
+// block and token strides are multiples of 4, else kUnknownMisalign (rows then differ).
+TQ_HD int head_slot_misalign(int64_t stride_block, int64_t stride_token, int64_t head_offset) {
+  return ((stride_block | stride_token) & 3) == 0 ? static_cast<int>(head_offset & 3) : kUnknownMisalign;
 }
 
 }  // namespace turboquant

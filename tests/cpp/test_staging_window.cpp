@@ -95,3 +95,53 @@ TEST(StagingWindow, MaskedTilesGiveEvenOffsetsInsideTheWindow) {
     }
   }
 }
+
+TEST(StagingWindow, HeadSlotMisalignIsEverySlotsOffsetModFour) {
+  std::mt19937_64 rng(13);
+  const int slot_bytes[] = {54, 100, 134, 196, 262, 388};
+  int known = 0;
+  for (int i = 0; i < 5000; ++i) {
+    const int slot = slot_bytes[rng() % 6];
+    const int heads = 1 + static_cast<int>(rng() % 16);
+    const int block_size = 16 << (rng() % 4);
+    const bool head_major = rng() % 2;
+    const int64_t stride_head = head_major ? static_cast<int64_t>(block_size) * slot : slot;
+    const int64_t stride_token = head_major ? slot : static_cast<int64_t>(heads) * slot;
+    const int64_t stride_block = static_cast<int64_t>(block_size) * heads * slot;
+    const int head = static_cast<int>(rng() % heads);
+    const int misalign = head_slot_misalign(stride_block, stride_token, head * stride_head);
+    if (misalign == kUnknownMisalign) {
+      EXPECT_NE((stride_block | stride_token) & 3, 0) << "known whenever both strides are multiples of 4";
+      continue;
+    }
+    ++known;
+    for (int k = 0; k < 8; ++k) {
+      const int64_t address = static_cast<int64_t>(rng() % 100000) * stride_block +
+                              static_cast<int64_t>(rng() % block_size) * stride_token + head * stride_head;
+      EXPECT_EQ(address & 3, misalign) << "slot " << slot << " heads " << heads << " head " << head;
+    }
+  }
+  EXPECT_GT(known, 1000);  // the known case was exercised, at both offsets (134-byte slots, odd heads)
+  EXPECT_EQ(head_slot_misalign(16 * 8 * 134, 8 * 134, 134), 2);
+  EXPECT_EQ(head_slot_misalign(16 * 8 * 134, 8 * 134, 2 * 134), 0);
+  EXPECT_EQ(head_slot_misalign(16 * 134, 134, 0), kUnknownMisalign);  // one KV head: rows alternate
+}
+
+TEST(StagingWindow, MaskedTilesKeepAKnownOffsetModFour) {
+  EXPECT_EQ(tile_window_code(-1, 32, kUnknownMisalign), kMaskedTileCode);
+  for (int misalign : {0, 2}) {
+    const int code = tile_window_code(-5, 32, misalign);
+    EXPECT_LT(code, 0) << "still masked";
+    EXPECT_EQ(tile_window_code(70, 32, misalign), 70 % 32) << "a valid tile's code does not depend on it";
+    for (int align : {16, 32}) {
+      for (int stride_mod = 0; stride_mod < align; stride_mod += 4) {  // known offsets: strides multiples of 4
+        for (int r = 0; r < 16; ++r) {
+          const int offset = row_offset_in_window(code, r, stride_mod, align);
+          EXPECT_EQ(offset % 4, misalign) << "align " << align << " stride_mod " << stride_mod << " r " << r;
+          EXPECT_GE(offset, 0);
+          EXPECT_LT(offset, align);
+        }
+      }
+    }
+  }
+}
