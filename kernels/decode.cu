@@ -5,11 +5,15 @@
 // columns are (query token, head) pairs (turboquant/query_chunks.h): one token per sequence in a
 // plain decode, 8 / group tokens of a chunk for varlen queries, each with its causal limit. Per
 // warp and 16-token tile:
-//   * 16-byte cp.async copies bring the tile's 16 slots (the 32-byte-aligned window around each
-//     2-byte-aligned slot; two lanes per token row, each pair's copies one L2 sector) into a
-//     per-warp shared-memory ring of kStages tiles. Block ids are loaded 32 tiles ahead, one per
-//     lane, so issuing a tile never waits on the block table; the consumer finds each row in its
-//     window from one number per tile in a register (the tile's first slot address mod 32);
+//   * 16-byte cp.async copies bring the tile's 16 slots into a per-warp shared-memory ring of
+//     kStages tiles: where the cache's strides are multiples of 16 (vLLM's layout with 8 KV heads
+//     of 134-byte slots), each slot's 16-byte-aligned window, the warp's lanes walking the tile's
+//     chunks row by row so one copy instruction touches a few rows (turboquant/staging_window.h:
+//     aligned rows); elsewhere the 32-byte-aligned window around each 2-byte-aligned slot, two
+//     lanes per token row, each pair's copies one L2 sector. Block ids are loaded 32 tiles
+//     ahead, one per lane, so issuing a tile never waits on the block table; the consumer finds
+//     each row in its window from one number per tile in a register (the tile's first slot
+//     address mod 32; with aligned rows, one offset for every row of the CTA);
 //   * the tile math of decode_tile.cuh: S^T = K~ Q^T and O^T += V^T (P*scale)^T on tensor cores
 //     with fragments dequantized in registers (read in the interleaved order of
 //     turboquant/fragment_order.h, with aligned loads, where the cache's strides give every slot
@@ -107,6 +111,15 @@ constexpr int tile_order_misalign(int misalign) {
   return occurs && interleaved ? misalign : kUnknownMisalign;
 }
 
+// How a CTA's pipeline stages and reads its slots (both CTA-uniform, from the cache's strides):
+// at offset kMisalign mod 4 (tile_order_misalign), and by aligned rows (issue_aligned_tile) or
+// 32-byte windows per row (issue_tile).
+template <int kMisalign_, bool kAlignedRows_>
+struct SlotStaging {
+  static constexpr int kMisalign = kMisalign_;
+  static constexpr bool kAlignedRows = kAlignedRows_;
+};
+
 template <class C, typename T>
 __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kernel(const DecodeParams p, const float q_multiplier,
                                                           const int head_chunks, const bool cluster_splits) {
@@ -186,6 +199,9 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // layouts (and presets the order does not cover) take the contiguous order, for any offset.
   const int slot_misalign =
       tile_order_misalign<C>(head_slot_misalign(p.cache.stride_block, p.cache.stride_token, head_offset));
+  // ... and where the strides are multiples of 16, at one offset in their 16-byte windows: the
+  // aligned-row staging (issue_aligned_tile). -1 elsewhere.
+  const int offset16 = head_slot_offset(p.cache.stride_block, p.cache.stride_token, head_offset, 16);
 
   // Tile addresses, 32 tiles per window: lane i holds the byte offset of row 0 of local tile
   // 32 * window + i (its block's base plus the tile's offset in the block and the KV head's),
@@ -227,13 +243,18 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // Slots whose windows end inside the cache view copy without a per-chunk bound check.
   const int64_t all_chunks_limit = p.cache.span_bytes - 16 * C::kChunks;
   uint8_t* const ring_row = ring + r * C::kRowBytes + 16 * half;
-  auto issue_tile = [&](int local_tile, int dst_stage) -> int {
+  // Row 0's slot offset of a local tile, or -1 (a block id outside the cache); tiles are issued
+  // in order, so the first tile of each window moves the block ids on.
+  auto issued_tile_base = [&](int local_tile) -> int64_t {
     if ((local_tile & 31) == 0 && local_tile > 0) {  // warp-uniform: a new window of tiles
       const int window = local_tile >> 5;
       tile_bases = tile_base(window, next_block_id);
       next_block_id = load_block_id(window + 1);
     }
-    const int64_t base = __shfl_sync(kFullMask, tile_bases, local_tile & 31);
+    return __shfl_sync(kFullMask, tile_bases, local_tile & 31);
+  };
+  auto issue_tile = [&](int local_tile, int dst_stage) -> int {
+    const int64_t base = issued_tile_base(local_tile);
     const bool row_ok = base >= 0 && tile_start(local_tile) + r < range.end;  // a tile never straddles blocks
     const int64_t slot = base + row_offset;
     const int64_t first = window_start(slot, C::kWindowAlign);
@@ -263,11 +284,39 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
     cp_async_commit();
     return tile_window_code(base, C::kWindowAlign, slot_misalign);
   };
+  // Aligned-row staging (turboquant/staging_window.h), where every slot of the head sits offset16
+  // bytes into its 16-byte window: this lane's copies take the same (row, chunk) in every tile, so
+  // only the tile's base and its rows with tokens vary. Same group and code rules as issue_tile;
+  // the consumer reads every row at offset16 and looks only at the code's sign.
+  const int stride_token32 = static_cast<int>(p.cache.stride_token);  // at most the cache view's span
+  auto issue_aligned_tile = [&](int local_tile, int dst_stage) -> int {
+    const int64_t base = issued_tile_base(local_tile);
+    if (base >= 0) {
+      const uint8_t* src = p.cache.data + (base - offset16);
+      uint8_t* dst = ring + dst_stage * C::kTileBytes;
+      const int rows = range.end - tile_start(local_tile);  // a tile never straddles blocks
+#pragma unroll
+      for (int i = 0; i < aligned_tile_copies(C::kSlotBytes); ++i) {
+        const RowChunk copy = aligned_tile_copy(i, lane, C::kSlotBytes);
+        if (copy.row < kTokenTile && copy.row < rows && aligned_chunk_needed(copy.chunk, offset16, C::kSlotBytes)) {
+          cp_async_16(dst + copy.row * C::kRowBytes + 16 * copy.chunk, src + copy.row * stride_token32 + 16 * copy.chunk);
+        }
+      }
+    }
+    cp_async_commit();
+    return base >= 0 ? offset16 : kMaskedTileCode;
+  };
 
   device::TileAttention<C::kKSteps> st;  // running softmax statistics and O^T fragments
-  // The query fragments, the first tiles' copies and the tile loop for slots at kMisalign mod 4.
-  auto pipeline = [&](auto misalign) {
-    constexpr int kMisalign = decltype(misalign)::value;
+  // The query fragments, the first tiles' copies and the tile loop for slots at kMisalign mod 4,
+  // staged by issue_aligned_tile where kAlignedRows, else by issue_tile.
+  auto pipeline = [&](auto staging) {
+    constexpr int kMisalign = decltype(staging)::kMisalign;
+    constexpr bool kAlignedRows = decltype(staging)::kAlignedRows;
+    auto issue = [&](int local_tile, int dst_stage) {
+      if constexpr (kAlignedRows) return issue_aligned_tile(local_tile, dst_stage);
+      else return issue_tile(local_tile, dst_stage);
+    };
     // The query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table, then
     // B fragments of Q^T in the key order of kMisalign (decode_tile.cuh): before the first tiles
     // are issued where the query shares the ring's bytes, after it where it has its own area
@@ -288,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
       if (s < my_tiles) {
-        codes[s] = issue_tile(s, s);
+        codes[s] = issue(s, s);
       } else {
         cp_async_commit();
         codes[s] = kMaskedTileCode;
@@ -301,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       const int next = it + C::kStages - 1;
       const int tile_code = codes[0];
       int next_codes = kMaskedTileCode;
-      if (next < my_tiles) next_codes = issue_tile(next, next_stage);
+      if (next < my_tiles) next_codes = issue(next, next_stage);
       else cp_async_commit();
 #pragma unroll
       for (int s = 0; s + 1 < C::kStages - 1; ++s) codes[s] = codes[s + 1];
@@ -312,7 +361,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
 
       const uint8_t* rows = ring + stage * C::kTileBytes;
       auto slot_ptr = [&](int r) {
-        return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
+        if constexpr (kAlignedRows) return rows + r * C::kRowBytes + offset16;
+        else return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
       };
       const int pos_lo = tile_start(it) + g;
       const bool tile_ok = tile_code >= 0;
@@ -324,12 +374,24 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
     }
   };
   // CTA-uniform; slot_misalign is 0 or 2 only where that order is instantiated.
+  // Aligned rows at an unknown offset mod 4 only for configurations without an interleaved order
+  // (else a cache with 16-byte strides always knows it; a layout that does not is staged per row).
+  auto stage_rows = [&](auto misalign) {
+    constexpr int kMisalign = decltype(misalign)::value;
+    if constexpr (kMisalign >= 0 || tile_order_misalign<C>(0) == kUnknownMisalign) {
+      if (offset16 >= 0) {
+        pipeline(SlotStaging<kMisalign, true>{});
+        return;
+      }
+    }
+    pipeline(SlotStaging<kMisalign, false>{});
+  };
   if (slot_misalign == 0) {
-    if constexpr (tile_order_misalign<C>(0) == 0) pipeline(std::integral_constant<int, 0>{});
+    if constexpr (tile_order_misalign<C>(0) == 0) stage_rows(std::integral_constant<int, 0>{});
   } else if (slot_misalign == 2) {
-    if constexpr (tile_order_misalign<C>(2) == 2) pipeline(std::integral_constant<int, 2>{});
+    if constexpr (tile_order_misalign<C>(2) == 2) stage_rows(std::integral_constant<int, 2>{});
   } else {
-    pipeline(std::integral_constant<int, kUnknownMisalign>{});
+    stage_rows(std::integral_constant<int, kUnknownMisalign>{});
   }
 
   device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)

@@ -46,11 +46,36 @@ TQ_HD int row_offset_in_window(int tile_code, int r, int stride_mod, int align) 
   return (tile_code + r * stride_mod) & (align - 1);
 }
 
-// The offset mod 4 that every slot of one KV head shares (head_offset: the head's byte offset in a
-// token row; the cache base is 16-byte aligned), whatever its block and token: 0 or 2 where the
-// block and token strides are multiples of 4, else kUnknownMisalign (rows then differ).
-TQ_HD int head_slot_misalign(int64_t stride_block, int64_t stride_token, int64_t head_offset) {
-  return ((stride_block | stride_token) & 3) == 0 ? static_cast<int>(head_offset & 3) : kUnknownMisalign;
+// The offset mod `modulus` (a power of two up to 16) that every slot of one KV head shares
+// (head_offset: the head's byte offset in a token row; the cache base is 16-byte aligned), whatever
+// its block and token: known where the block and token strides are multiples of it, else -1.
+TQ_HD int head_slot_offset(int64_t stride_block, int64_t stride_token, int64_t head_offset, int modulus) {
+  return ((stride_block | stride_token) & (modulus - 1)) == 0 ? static_cast<int>(head_offset & (modulus - 1)) : -1;
 }
+// ... mod 4: 0 or 2, or kUnknownMisalign (the interleaved fragment order needs it known).
+TQ_HD int head_slot_misalign(int64_t stride_block, int64_t stride_token, int64_t head_offset) {
+  const int misalign = head_slot_offset(stride_block, stride_token, head_offset, 4);
+  return misalign >= 0 ? misalign : kUnknownMisalign;
+}
+
+// Aligned-row staging: where every slot of a KV head sits at the same offset mod 16 (token and
+// block strides multiples of 16: vLLM's layout with 8 KV heads of 134-byte slots, or 4 of 196),
+// a tile's 16 rows are copied from the 16-byte-aligned window of each slot, all at that offset,
+// with the warp's lanes walking the tile's chunks in row-major order: copy i of a lane takes chunk
+// (32 i + lane) of the flattened (row, chunk) grid, so one instruction's 32 chunks lie in two or
+// three rows (a few L1 wavefronts) instead of one chunk of each of 16 rows (~23 wavefronts per
+// cp.async, ncu, H200, session 21), and the consumer finds every row at one offset.
+TQ_HD constexpr int aligned_row_chunks(int slot_bytes) { return window_chunks(slot_bytes, 16); }
+TQ_HD constexpr int aligned_tile_copies(int slot_bytes) { return (16 * aligned_row_chunks(slot_bytes) + 31) / 32; }
+struct RowChunk {
+  int row;    // token row of the tile (16 or more: nothing to copy)
+  int chunk;  // 16-byte chunk of the row's window
+};
+TQ_HD RowChunk aligned_tile_copy(int copy, int lane, int slot_bytes) {
+  const int flat = 32 * copy + lane, chunks = aligned_row_chunks(slot_bytes);
+  return {flat / chunks, flat % chunks};
+}
+// Whether chunk `chunk` of an aligned row holds bytes of its slot, which starts `offset16` bytes in.
+TQ_HD bool aligned_chunk_needed(int chunk, int offset16, int slot_bytes) { return 16 * chunk < offset16 + slot_bytes; }
 
 }  // namespace turboquant

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <random>
 #include <set>
+#include <utility>
 
 #include "turboquant/preset.h"
 #include "turboquant/staging_window.h"
@@ -144,4 +145,47 @@ TEST(StagingWindow, MaskedTilesKeepAKnownOffsetModFour) {
       }
     }
   }
+}
+
+// Aligned-row staging: a warp's copies of one tile cover exactly the chunks holding slot bytes of
+// every row, each once, and stay inside the ring row of the 32-byte-window staging (same ring).
+TEST(StagingWindow, AlignedTileCopiesCoverEveryRowsSlotOnce) {
+  for (int slot_bytes : slot_sizes()) {
+    const int chunks = aligned_row_chunks(slot_bytes);
+    EXPECT_LE(chunks, window_chunks(slot_bytes, 32)) << "fits the ring rows sized for 32-byte windows";
+    EXPECT_GE(32 * aligned_tile_copies(slot_bytes), 16 * chunks);
+    for (int offset16 = 0; offset16 < 16; offset16 += 2) {
+      EXPECT_LE(offset16 + slot_bytes, 16 * chunks) << "slot " << slot_bytes << " at " << offset16;
+      std::set<std::pair<int, int>> copied;
+      for (int copy = 0; copy < aligned_tile_copies(slot_bytes); ++copy) {
+        for (int lane = 0; lane < 32; ++lane) {
+          const RowChunk c = aligned_tile_copy(copy, lane, slot_bytes);
+          if (c.row >= 16 || !aligned_chunk_needed(c.chunk, offset16, slot_bytes)) continue;
+          EXPECT_GE(c.chunk, 0);
+          EXPECT_LT(c.chunk, chunks);
+          EXPECT_TRUE(copied.insert({c.row, c.chunk}).second) << "chunk copied twice";
+        }
+      }
+      // Needed: every chunk that starts before the slot's end (a 16-byte-aligned cache view's
+      // span ends on a chunk boundary, so none of them reads past it).
+      const int needed = (offset16 + slot_bytes + 15) / 16;
+      EXPECT_EQ(static_cast<int>(copied.size()), 16 * needed) << "slot " << slot_bytes << " at " << offset16;
+      for (int row = 0; row < 16; ++row) {
+        for (int chunk = 0; chunk < needed; ++chunk) EXPECT_TRUE(copied.count({row, chunk})) << row << " " << chunk;
+      }
+    }
+  }
+  // One instruction's 32 chunks lie in at most ceil(32 / chunks) + 1 rows (134-byte slots: 4).
+  for (int copy = 0; copy < aligned_tile_copies(134); ++copy) {
+    std::set<int> rows;
+    for (int lane = 0; lane < 32; ++lane) rows.insert(aligned_tile_copy(copy, lane, 134).row);
+    EXPECT_LE(static_cast<int>(rows.size()), 4);
+  }
+}
+
+TEST(StagingWindow, HeadSlotOffsetModSixteen) {
+  EXPECT_EQ(head_slot_offset(16 * 8 * 134, 8 * 134, 3 * 134, 16), (3 * 134) % 16);  // 8 heads: 1072-byte rows
+  EXPECT_EQ(head_slot_offset(16 * 4 * 134, 4 * 134, 134, 16), -1);                  // 536-byte rows
+  EXPECT_EQ(head_slot_offset(16 * 4 * 196, 4 * 196, 196, 16), 196 % 16);            // k8v4, 4 heads
+  EXPECT_EQ(head_slot_offset(16 * 4 * 134, 4 * 134, 134, 4), 2);
 }
