@@ -45,14 +45,19 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 //     to amortize its set-up (query rotation, pair table) and merge: at B=4 and B=8 (2048 tokens
 //     per split, 16 tiles per warp) filling two per SM is 4-5 % faster than one, at B=1 and B=2
 //     (about 1000 tokens per split, 8 tiles per warp) one per SM is 3-5 % faster.
+//   * Session 21 (aligned-row staging, the interleaved fragment order: a kernel bound by its
+//     per-warp chain rather than by set-up): at B=1 L=32k 33 splits (7.8 tiles per warp) took
+//     23.6 us against 16 splits' 26.4, at B=2 L=16k 16 splits (8 tiles) 23.7 against 8's 26.3;
+//     FP8 keys still lose (25.4 -> 26.5 at B=1 L=32k). Fewer tiles per warp are not measured.
 // So: two per SM only for Lloyd-Max keys whose splits keep each warp kMinTilesPerWarpTwoPerSm tiles.
+// (The row kernel's rule never has fewer than 16 per warp: its splits keep 256 tokens.)
 // The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
 // kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
 // Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`, session 19,
 // benchmarks/RESULTS.md): B = 1, L = 1k took 10.9 us in 4 splits (the 256-token cap), 10.0 in 8
 // and 10.2 in 16; B = 2, L = 1k 11.1 in 4 and 10.6 in 8; at L = 256 one split took 9.1 us and two
 // (merged in a cluster) 8.7.
-constexpr int kMinTilesPerWarpTwoPerSm = 16;
+constexpr int kMinTilesPerWarpTwoPerSm = 7;
 TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
   return warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;
 }
@@ -121,14 +126,22 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
       decode_split_waves(fp8_keys, batch, ctas_per_split, sm_count, resident_per_sm, warps_per_range), max_context);
 }
 
-// Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) can put CTAs on
-// at least half of the SMs: batch x head groups x the most splits the context allows. Measured
-// (H200, session 9, benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs) it took
-// 19-25 us under graph replay where the per-head kernel took 11-17; from 128 possible CTAs up
-// (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Between the two is not measured.
+// Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) takes a plain
+// decode: where it can put CTAs on at least half of the SMs (batch x head groups x the most splits
+// the context allows), and the batch has at least kMinRowKernelRows (sequence, 8-head group) rows.
+// Measured (H200, session 9, benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs)
+// it took 19-25 us under graph replay where the per-head kernel took 11-17; from 128 possible CTAs
+// up (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Since session 21 (the per-head kernel's
+// aligned-row staging and two CTAs per SM at 8 tiles per warp) the per-head kernel matches it for
+// one or two rows at every length: B=1 L=32k 23.6 vs 24.4 us, B=2 L=16k 23.7 vs 24.6 (4bit_nc;
+// k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs 37.2), and with a
+// serving engine's 32k-token block tables, where a shape-only choice cannot see that sequences are
+// short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2 L=1k 9.8 vs 13.5).
+constexpr int kMinRowKernelRows = 3;
 TQ_HD bool row_kernel_fills_device(int batch, int head_groups, int max_context, int sm_count) {
+  const long long rows = static_cast<long long>(batch) * head_groups;
   const int splits = max_context / kMinTokensPerSplit > 1 ? max_context / kMinTokensPerSplit : 1;
-  return static_cast<long long>(batch) * head_groups * splits * 2 >= sm_count;
+  return rows >= kMinRowKernelRows && rows * splits * 2 >= sm_count;
 }
 
 // Token range [begin, end) of split `split` for a sequence of `seq_len` tokens; chunks are whole

@@ -28,8 +28,9 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
   EXPECT_EQ(decode_num_splits(false, 4, 8, 16384, 132, 2, 8), 8);  // 2048 tokens per split: two per SM
   EXPECT_EQ(decode_num_splits(false, 8, 8, 8192, 132, 2, 8), 4);
   EXPECT_EQ(decode_num_splits(false, 16, 8, 8192, 132, 2, 8), 2);
-  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 2, 8), 16);  // 33 would be 7 tiles per warp: one per SM
-  EXPECT_EQ(decode_num_splits(false, 2, 8, 16384, 132, 2, 8), 8);
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 32768, 132, 2, 8), 33);  // 7.8 tiles per warp: two per SM
+  EXPECT_EQ(decode_num_splits(false, 2, 8, 16384, 132, 2, 8), 16);  // 8 tiles per warp
+  EXPECT_EQ(decode_num_splits(false, 1, 8, 16384, 132, 2, 8), 16);  // 33 would leave 3.9: one per SM
   EXPECT_EQ(decode_num_splits(false, 32, 8, 8192, 132, 2, 8), 1);  // the grid fills the SMs unsplit
   // Short contexts: the per-head kernel's splits keep one 16-token tile per warp (128 tokens).
   EXPECT_EQ(decode_num_splits(false, 1, 8, 1024, 132, 2, 8), 8);  // one per SM would allow 16
@@ -51,9 +52,14 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
 }
 
 TEST(SplitPlan, RowKernelOnlyWhereItsGridFillsHalfTheSms) {
-  EXPECT_TRUE(row_kernel_fills_device(1, 1, 32768, 132));  // up to 128 splits
+  EXPECT_TRUE(row_kernel_fills_device(3, 1, 32768, 132));  // up to 128 splits per row
   EXPECT_TRUE(row_kernel_fills_device(32, 1, 8192, 132));
   EXPECT_TRUE(row_kernel_fills_device(2, 4, 4096, 132));   // 32 KV heads: 4 head groups
+  EXPECT_TRUE(row_kernel_fills_device(1, 4, 32768, 132));
+  // One or two (sequence, 8-head group) rows: the per-head kernel, whatever the context.
+  EXPECT_FALSE(row_kernel_fills_device(1, 1, 32768, 132));
+  EXPECT_FALSE(row_kernel_fills_device(2, 1, 131072, 132));
+  EXPECT_FALSE(row_kernel_fills_device(1, 2, 32768, 132));
   EXPECT_FALSE(row_kernel_fills_device(8, 1, 1024, 132));  // 32 CTAs at most
   EXPECT_FALSE(row_kernel_fills_device(1, 1, 1024, 132));
   EXPECT_FALSE(row_kernel_fills_device(1, 1, 0, 132));     // empty block table: one split
@@ -75,16 +81,18 @@ TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {
   // B = 1 at 8 KV heads, the per-head kernel on 132 SMs with two CTAs per SM possible: the grid is
   // sized by a serving engine's 32k-token block table, each sequence by its own length.
   const SplitWaves w = decode_split_waves(false, 1, 8, 132, 2, 8);
-  EXPECT_EQ(splits_for_context(w, 32768), 16);  // 33 would leave 7 tiles per warp: one per SM
+  EXPECT_EQ(splits_for_context(w, 32768), 33);  // 7.8 tiles per warp: two per SM
+  EXPECT_EQ(splits_for_context(w, 16384), 16);  // 33 would leave 3.9: one per SM
   EXPECT_EQ(splits_for_context(w, 256), 2);     // 128 tokens each, as a table of exactly 256 gets
   EXPECT_EQ(splits_for_context(w, 1024), 8);
   EXPECT_EQ(splits_for_context(w, 1), 1);
   EXPECT_EQ(splits_for_context(w, 0), 1);
   // The device skips the rule from the first context that takes the whole grid on.
   EXPECT_EQ(first_context_with_splits(w, 16, 32768), 15 * 128 + 1);
+  EXPECT_EQ(first_context_with_splits(w, 33, 32768), 33 * 7 * 128);  // from 7 tiles per warp on
   EXPECT_EQ(first_context_with_splits(w, 2, 256), 129);
   EXPECT_EQ(first_context_with_splits(w, 1, 32768), 0);
-  EXPECT_EQ(first_context_with_splits(w, 17, 32768), 32769) << "a count the rule never gives: the rule everywhere";
+  EXPECT_EQ(first_context_with_splits(w, 34, 32768), 32769) << "a count the rule never gives: the rule everywhere";
   for (int batch : {1, 3, 8}) {
     const SplitWaves waves = decode_split_waves(false, batch, 8, 132, 2, 8);
     for (int capacity : {256, 1000, 32768}) {
@@ -95,7 +103,7 @@ TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {
       }
     }
   }
-  // Two per SM once each warp keeps 16 tiles: B = 4 fills 8 splits of 4096 tokens.
+  // Two per SM once each warp keeps 7 tiles: B = 4 fills 8 splits of 4096 tokens.
   EXPECT_EQ(splits_for_context(decode_split_waves(false, 4, 8, 132, 2, 8), 32768), 8);
   EXPECT_EQ(splits_for_context(decode_split_waves(false, 4, 8, 132, 2, 8), 1024), 4);
   for (bool fp8 : {false, true}) {
