@@ -288,7 +288,9 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // bytes into its 16-byte window: this lane's copies take the same (row, chunk) in every tile, so
   // only the tile's base and its rows with tokens vary. Same group and code rules as issue_tile;
   // the consumer reads every row at offset16 and looks only at the code's sign.
-  const int stride_token32 = static_cast<int>(p.cache.stride_token);  // at most the cache view's span
+  // 32-bit row offsets: a copy's row is below 16, and a token row (the KV heads' slots) is far below
+  // 2^31 / 16 bytes; the tile's base stays 64-bit (caches past 2 GiB).
+  const int stride_token32 = static_cast<int>(p.cache.stride_token);
   auto issue_aligned_tile = [&](int local_tile, int dst_stage) -> int {
     const int64_t base = issued_tile_base(local_tile);
     if (base >= 0) {

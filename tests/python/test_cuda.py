@@ -324,6 +324,25 @@ def test_decode_varlen_serving_block_tables():
     assert rel_err(out.float().cpu(), ref) <= 2e-3
 
 
+@pytest.mark.parametrize("preset, head_dim", [(p, d) for p in PRESETS for d in HEAD_DIMS] + [("turboquant_k8v4", 96)])
+def test_decode_aligned_row_staging_matches_cpu(preset, head_dim):
+    """8 KV heads in a token-major cache (vLLM's layout): 8 even-sized slots make the token stride a
+    multiple of 16, so the per-head kernel stages each tile as aligned rows at its KV head's own
+    offset mod 16 (turboquant/staging_window.h) and, for the presets with one, reads them in the
+    interleaved fragment order at offset 0 or 2 (kv_head x slot mod 4). Two sequences (one or two
+    head-group rows take the per-head kernel at every length; D = 256 always does), lengths ending
+    mid-tile, a masked block id in the middle of one, 1 / 3 / default splits, output poisoned."""
+    heads, group = 8, 4
+    cache, bt, sl, _, _ = make_paged_batch([700, 333], 16, heads, head_dim, preset, seed=head_dim)
+    bt[1, 5] = 1 << 30  # out-of-range: tokens 80-95 of sequence 1 are masked on both devices
+    q = torch.randn(2, heads * group, head_dim).half()
+    for splits in (1, 3, 0):
+        ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, splits)
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, splits, workspace=True)
+        assert not out.isnan().any(), splits
+        assert rel_err(out, ref) <= 2e-3, splits
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + [96])
 @pytest.mark.parametrize("num_splits", [129, 256])
 def test_decode_merges_many_splits(head_dim, num_splits):
