@@ -41,7 +41,7 @@ SHAPES = {  # (B, Hq, Hkv, L)
     "quick": [(32, 32, 8, 8192), (16, 64, 8, 16384)],
     "small": [(1, 32, 8, 32768), (1, 32, 8, 8192), (8, 32, 8, 8192)],  # set-up/latency-bound: A/B runs
     "ab": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (16, 64, 8, 16384)],  # A/B of loop changes
-    # Around the row kernel's selection rule (turboquant/split_plan.h, row_kernel_fills_device:
+    # Around the row kernel's selection rule (turboquant/split_plan.h, row_kernel_preferred:
     # batch x head groups x L/256 x 2 >= SMs), where neither kernel has been timed against the
     # other: `AB_SHAPES=fill gpu_run.sh ab_rows` times both.
     # Short contexts, where a step is latency (launches, the query set-up, the merge) and SDPA bf16

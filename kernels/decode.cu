@@ -28,7 +28,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "decode_common.cuh"
 #include "decode_tile.cuh"
@@ -200,8 +202,11 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int slot_misalign =
       tile_order_misalign<C>(head_slot_misalign(p.cache.stride_block, p.cache.stride_token, head_offset));
   // ... and where the strides are multiples of 16, at one offset in their 16-byte windows: the
-  // aligned-row staging (issue_aligned_tile). -1 elsewhere.
-  const int offset16 = head_slot_offset(p.cache.stride_block, p.cache.stride_token, head_offset, 16);
+  // aligned-row staging (issue_aligned_tile). -1 elsewhere, and for token strides whose 16 rows'
+  // offsets would pass 32 bits (a view with the token dimension outside the blocks').
+  const int offset16 = p.cache.stride_token <= INT_MAX / kTokenTile
+                           ? head_slot_offset(p.cache.stride_block, p.cache.stride_token, head_offset, 16)
+                           : -1;
 
   // Tile addresses, 32 tiles per window: lane i holds the byte offset of row 0 of local tile
   // 32 * window + i (its block's base plus the tile's offset in the block and the KV head's),
@@ -228,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kHeads][D]
   // This thread's score columns' limits: only the tile loop needs them.
   const int limit0 = limit(2 * c), limit1 = limit(2 * c + 1);
-  int64_t tile_bases;  // set by the pipeline, after the query set-up where that comes first
+  int64_t tile_bases = -1;  // set by the pipeline, after the query set-up where that comes first
 
   // Lanes r and r + 16 copy token row r of the tile: chunks (lane >> 4) + 2k of the 16-byte
   // chunks from the slot's start rounded down to 32 bytes to its end. Every lane commits one
@@ -288,8 +293,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // bytes into its 16-byte window: this lane's copies take the same (row, chunk) in every tile, so
   // only the tile's base and its rows with tokens vary. Same group and code rules as issue_tile;
   // the consumer reads every row at offset16 and looks only at the code's sign.
-  // 32-bit row offsets: a copy's row is below 16, and a token row (the KV heads' slots) is far below
-  // 2^31 / 16 bytes; the tile's base stays 64-bit (caches past 2 GiB).
+  // 32-bit row offsets: a copy's row is below 16 and offset16 >= 0 only for token strides up to
+  // INT_MAX / 16; the tile's base stays 64-bit (caches past 2 GiB).
   const int stride_token32 = static_cast<int>(p.cache.stride_token);
   auto issue_aligned_tile = [&](int local_tile, int dst_stage) -> int {
     const int64_t base = issued_tile_base(local_tile);
@@ -375,10 +380,11 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       stage = stage == C::kStages - 1 ? 0 : stage + 1;
     }
   };
-  // CTA-uniform; slot_misalign is 0 or 2 only where that order is instantiated.
-  // Aligned rows at an unknown offset mod 4 only for configurations without an interleaved order
-  // (else a cache with 16-byte strides always knows it; a layout that does not is staged per row).
-  auto stage_rows = [&](auto misalign) {
+  // CTA-uniform; slot_misalign is 0 or 2 only where that order is instantiated. Aligned rows at an
+  // unknown offset mod 4 only for configurations without an interleaved order: with one, a cache of
+  // 16-byte strides knows the offset, unless it is one the configuration does not instantiate (an
+  // FP8-key slot at 2, from an odd head stride), and that rare layout is staged per row.
+  auto run_pipeline = [&](auto misalign) {
     constexpr int kMisalign = decltype(misalign)::value;
     if constexpr (kMisalign >= 0 || tile_order_misalign<C>(0) == kUnknownMisalign) {
       if (offset16 >= 0) {
@@ -389,11 +395,11 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
     pipeline(SlotStaging<kMisalign, false>{});
   };
   if (slot_misalign == 0) {
-    if constexpr (tile_order_misalign<C>(0) == 0) stage_rows(std::integral_constant<int, 0>{});
+    if constexpr (tile_order_misalign<C>(0) == 0) run_pipeline(std::integral_constant<int, 0>{});
   } else if (slot_misalign == 2) {
-    if constexpr (tile_order_misalign<C>(2) == 2) stage_rows(std::integral_constant<int, 2>{});
+    if constexpr (tile_order_misalign<C>(2) == 2) run_pipeline(std::integral_constant<int, 2>{});
   } else {
-    stage_rows(std::integral_constant<int, kUnknownMisalign>{});
+    run_pipeline(std::integral_constant<int, kUnknownMisalign>{});
   }
 
   device::allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)

@@ -58,13 +58,14 @@ __device__ __forceinline__ void load_region_words(const uint8_t* region, int ind
 }
 
 // A warp's running attention state for its 8 columns: thread (g, c) holds the statistics of
-// columns 2c, 2c + 1 and the O^T fragments of dims g*D/8 + 2i (+1).
+// columns 2c, 2c + 1 and the O^T fragments of dims 2 value_pair(g, i) (+1) (fragment_order.h: g*D/8
+// + 2i in the contiguous order).
 template <int kKSteps>
 struct TileAttention {
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of columns 2c, 2c+1
   float l[2] = {0.0f, 0.0f};            // this thread's share of the softmax denominators
   float z[2] = {0.0f, 0.0f};            // this thread's share of sum_t p_t * zero_t
-  float acc[kKSteps][4];                // O^T fragments: dims g*D/8 + 2i (+1), columns 2c, 2c+1
+  float acc[kKSteps][4];                // O^T fragments: dims 2 value_pair(g, i) (+1), columns 2c, 2c+1
   __device__ __forceinline__ TileAttention() {
 #pragma unroll
     for (int i = 0; i < kKSteps; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;

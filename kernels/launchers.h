@@ -115,7 +115,7 @@ cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 
 // Plain decodes of token-major caches with KV heads in 8s (decode_rows.cu): one CTA per 8 KV
 // heads stages whole token rows by bulk copies. launch_decode takes it where it supports the shape
-// and its grid fills half the SMs (row_kernel_fills_device, turboquant/split_plan.h).
+// and its grid fills half the SMs with 3 or more rows (row_kernel_preferred, turboquant/split_plan.h).
 bool decode_rows_supports(const DecodeParams& p);
 int decode_rows_resident_ctas(const DecodeParams& p);  // CTAs per SM
 int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for 4-bit keys (one CTA of 16 warps), else 1

@@ -49,15 +49,15 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 //     per-warp chain rather than by set-up): at B=1 L=32k 33 splits (7.8 tiles per warp) took
 //     23.6 us against 16 splits' 26.4, at B=2 L=16k 16 splits (8 tiles) 23.7 against 8's 26.3;
 //     FP8 keys still lose (25.4 -> 26.5 at B=1 L=32k). Fewer tiles per warp are not measured.
-// So: two per SM only for Lloyd-Max keys whose splits keep each warp kMinTilesPerWarpTwoPerSm tiles.
-// (The row kernel's rule never has fewer than 16 per warp: its splits keep 256 tokens.)
+// So: two per SM only for Lloyd-Max keys whose splits keep each warp min_tiles_two_per_sm tiles:
+// 7 in the per-head kernel (session 21), 16 in the row kernel (session 9's rule, not re-measured).
 // The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
 // kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
 // Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`, session 19,
 // benchmarks/RESULTS.md): B = 1, L = 1k took 10.9 us in 4 splits (the 256-token cap), 10.0 in 8
 // and 10.2 in 16; B = 2, L = 1k 11.1 in 4 and 10.6 in 8; at L = 256 one split took 9.1 us and two
 // (merged in a cluster) 8.7.
-constexpr int kMinTilesPerWarpTwoPerSm = 7;
+TQ_HD int min_tiles_two_per_sm(int warps_per_range) { return warps_per_range > 1 ? 7 : 16; }
 TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
   return warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;
 }
@@ -74,6 +74,7 @@ struct SplitWaves {
   int two_per_sm = 0;  // ... two per SM; 0 where only one is considered (FP8 keys, one resident)
   int min_tokens = kMinTokensPerSplit;  // the fewest tokens a split keeps
   int tokens_per_pass = kTokenTile;     // tokens the CTA's warps take in one step (tiles x warps)
+  int min_tiles_two_per_sm = 16;        // two CTAs per SM only where each warp keeps this many tiles
   // Contexts from this one on take every split of the grid (first_context_with_splits), so the
   // device applies the rule only below it; 0 (the default): every context takes the whole grid.
   int full_context = 0;
@@ -87,11 +88,12 @@ TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split
   w.two_per_sm = fp8_keys || resident_per_sm <= 1 ? 0 : (base > 0 ? sm_count * resident_per_sm / base : 1);
   w.min_tokens = decode_min_tokens_per_split(warps_per_range);
   w.tokens_per_pass = kTokenTile * warps_per_range;
+  w.min_tiles_two_per_sm = min_tiles_two_per_sm(warps_per_range);
   return w;
 }
 
 // Splits for a context of `context` tokens (at least 1): the wave's count capped so each split
-// keeps w.min_tokens, and two CTAs per SM only where each warp keeps kMinTilesPerWarpTwoPerSm
+// keeps w.min_tokens, and two CTAs per SM only where each warp keeps w.min_tiles_two_per_sm
 // tiles.
 TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
@@ -99,7 +101,7 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   if (w.two_per_sm == 0) return one;
   const int filled = w.two_per_sm < cap ? (w.two_per_sm > 1 ? w.two_per_sm : 1) : cap;
   const int tiles_per_warp = context / (filled * w.tokens_per_pass);
-  return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one : filled;
+  return filled > 1 && tiles_per_warp < w.min_tiles_two_per_sm ? one : filled;
 }
 
 // The shortest context in [0, max_context] that the rule gives at least `num_splits` splits
@@ -127,18 +129,19 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
 }
 
 // Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) takes a plain
-// decode: where it can put CTAs on at least half of the SMs (batch x head groups x the most splits
-// the context allows), and the batch has at least kMinRowKernelRows (sequence, 8-head group) rows.
+// decode it supports: where the batch has at least kMinRowKernelRows (sequence, 8-head group) rows
+// and the kernel can put CTAs on at least half of the SMs (rows x the most splits the context allows).
 // Measured (H200, session 9, benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs)
 // it took 19-25 us under graph replay where the per-head kernel took 11-17; from 128 possible CTAs
 // up (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Since session 21 (the per-head kernel's
-// aligned-row staging and two CTAs per SM at 8 tiles per warp) the per-head kernel matches it for
-// one or two rows at every length: B=1 L=32k 23.6 vs 24.4 us, B=2 L=16k 23.7 vs 24.6 (4bit_nc;
-// k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs 37.2), and with a
-// serving engine's 32k-token block tables, where a shape-only choice cannot see that sequences are
-// short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2 L=1k 9.8 vs 13.5).
+// aligned-row staging and two CTAs per SM at 8 tiles per warp) the per-head kernel is as fast for
+// one or two rows up to 16k tokens and within 2-11 % at 32k: B=1 L=32k 23.6 vs 24.4 us, B=2 L=16k
+// 23.7 vs 24.6 (4bit_nc; k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs
+// 37.2); and with a serving engine's 32k-token block tables, where a shape-only choice cannot see
+// that sequences are short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2
+// L=1k 9.8 vs 13.5). Not run with this rule yet (session 21: the per-head numbers were forced).
 constexpr int kMinRowKernelRows = 3;
-TQ_HD bool row_kernel_fills_device(int batch, int head_groups, int max_context, int sm_count) {
+TQ_HD bool row_kernel_preferred(int batch, int head_groups, int max_context, int sm_count) {
   const long long rows = static_cast<long long>(batch) * head_groups;
   const int splits = max_context / kMinTokensPerSplit > 1 ? max_context / kMinTokensPerSplit : 1;
   return rows >= kMinRowKernelRows && rows * splits * 2 >= sm_count;

@@ -51,18 +51,18 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
   EXPECT_EQ(decode_num_splits(true, 32, 1, 8192, 132, 2, 1), 4);
 }
 
-TEST(SplitPlan, RowKernelOnlyWhereItsGridFillsHalfTheSms) {
-  EXPECT_TRUE(row_kernel_fills_device(3, 1, 32768, 132));  // up to 128 splits per row
-  EXPECT_TRUE(row_kernel_fills_device(32, 1, 8192, 132));
-  EXPECT_TRUE(row_kernel_fills_device(2, 4, 4096, 132));   // 32 KV heads: 4 head groups
-  EXPECT_TRUE(row_kernel_fills_device(1, 4, 32768, 132));
+TEST(SplitPlan, RowKernelFromThreeRowsWhereItsGridFillsHalfTheSms) {
+  EXPECT_TRUE(row_kernel_preferred(3, 1, 32768, 132));  // up to 128 splits per row
+  EXPECT_TRUE(row_kernel_preferred(32, 1, 8192, 132));
+  EXPECT_TRUE(row_kernel_preferred(2, 4, 4096, 132));   // 32 KV heads: 4 head groups
+  EXPECT_TRUE(row_kernel_preferred(1, 4, 32768, 132));
   // One or two (sequence, 8-head group) rows: the per-head kernel, whatever the context.
-  EXPECT_FALSE(row_kernel_fills_device(1, 1, 32768, 132));
-  EXPECT_FALSE(row_kernel_fills_device(2, 1, 131072, 132));
-  EXPECT_FALSE(row_kernel_fills_device(1, 2, 32768, 132));
-  EXPECT_FALSE(row_kernel_fills_device(8, 1, 1024, 132));  // 32 CTAs at most
-  EXPECT_FALSE(row_kernel_fills_device(1, 1, 1024, 132));
-  EXPECT_FALSE(row_kernel_fills_device(1, 1, 0, 132));     // empty block table: one split
+  EXPECT_FALSE(row_kernel_preferred(1, 1, 32768, 132));
+  EXPECT_FALSE(row_kernel_preferred(2, 1, 131072, 132));
+  EXPECT_FALSE(row_kernel_preferred(1, 2, 32768, 132));
+  EXPECT_FALSE(row_kernel_preferred(8, 1, 1024, 132));  // 32 CTAs at most
+  EXPECT_FALSE(row_kernel_preferred(1, 1, 1024, 132));
+  EXPECT_FALSE(row_kernel_preferred(1, 1, 0, 132));     // empty block table: one split
 }
 
 // The split rule as one function, as it stood before it was cut into decode_split_waves and
@@ -74,7 +74,7 @@ int reference_decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, in
   if (fp8_keys || resident_per_sm <= 1) return one_per_sm;
   const int filled = default_num_splits(batch, ctas_per_split, max_context, sm_count * resident_per_sm, min_tokens);
   const int tiles_per_warp = max_context / filled / (kTokenTile * warps_per_range);
-  return filled > 1 && tiles_per_warp < kMinTilesPerWarpTwoPerSm ? one_per_sm : filled;
+  return filled > 1 && tiles_per_warp < min_tiles_two_per_sm(warps_per_range) ? one_per_sm : filled;
 }
 
 TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {

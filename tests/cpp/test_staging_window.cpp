@@ -100,7 +100,7 @@ TEST(StagingWindow, MaskedTilesGiveEvenOffsetsInsideTheWindow) {
 TEST(StagingWindow, HeadSlotMisalignIsEverySlotsOffsetModFour) {
   std::mt19937_64 rng(13);
   const int slot_bytes[] = {54, 100, 134, 196, 262, 388};
-  int known = 0;
+  int known = 0, known_at_2 = 0;
   for (int i = 0; i < 5000; ++i) {
     const int slot = slot_bytes[rng() % 6];
     const int heads = 1 + static_cast<int>(rng() % 16);
@@ -116,6 +116,7 @@ TEST(StagingWindow, HeadSlotMisalignIsEverySlotsOffsetModFour) {
       continue;
     }
     ++known;
+    known_at_2 += misalign == 2;
     for (int k = 0; k < 8; ++k) {
       const int64_t address = static_cast<int64_t>(rng() % 100000) * stride_block +
                               static_cast<int64_t>(rng() % block_size) * stride_token + head * stride_head;
@@ -123,6 +124,7 @@ TEST(StagingWindow, HeadSlotMisalignIsEverySlotsOffsetModFour) {
     }
   }
   EXPECT_GT(known, 1000);  // the known case was exercised, at both offsets (134-byte slots, odd heads)
+  EXPECT_GT(known_at_2, 100);
   EXPECT_EQ(head_slot_misalign(16 * 8 * 134, 8 * 134, 134), 2);
   EXPECT_EQ(head_slot_misalign(16 * 8 * 134, 8 * 134, 2 * 134), 0);
   EXPECT_EQ(head_slot_misalign(16 * 134, 134, 0), kUnknownMisalign);  // one KV head: rows alternate
@@ -175,7 +177,7 @@ TEST(StagingWindow, AlignedTileCopiesCoverEveryRowsSlotOnce) {
       }
     }
   }
-  // One instruction's 32 chunks lie in at most ceil(32 / chunks) + 1 rows (134-byte slots: 4).
+  // One instruction's 32 chunks lie in few rows: 4 for 134-byte slots (10 chunks a row).
   for (int copy = 0; copy < aligned_tile_copies(134); ++copy) {
     std::set<int> rows;
     for (int lane = 0; lane < 32; ++lane) rows.insert(aligned_tile_copy(copy, lane, 134).row);
