@@ -28,7 +28,7 @@ from bench_decode import HEAD_DIM, build_cache, sdpa_best_us  # noqa: E402
 from sweep_splits import with_table_tokens  # noqa: E402
 from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
 
-BATCHES = [1, 2, 4, 8]
+BATCHES = [1, 2, 3, 4, 8]  # 3: the first batch the row kernel takes at 8 KV heads (kMinRowKernelRows)
 LENGTHS = [256, 1024, 4096, 16384, 32768]
 HQ, HKV = 32, 8
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
