@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       for (int i = 0; i < aligned_tile_copies(C::kSlotBytes); ++i) {
         const RowChunk copy = aligned_tile_copy(i, lane, C::kSlotBytes);
         if (copy.row < kTokenTile && copy.row < rows && aligned_chunk_needed(copy.chunk, offset16, C::kSlotBytes)) {
-          cp_async_16(dst + copy.row * C::kRowBytes + 16 * copy.chunk, src + copy.row * stride_token32 + 16 * copy.chunk);
+          cp_async_16(dst + aligned_copy_dest(copy, C::kRowBytes), src + aligned_copy_source(copy, stride_token32));
         }
       }
     }
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
 
       const uint8_t* rows = ring + stage * C::kTileBytes;
       auto slot_ptr = [&](int r) {
-        if constexpr (kAlignedRows) return rows + r * C::kRowBytes + offset16;
+        if constexpr (kAlignedRows) return rows + aligned_slot_offset(r, C::kRowBytes, offset16);
         else return rows + r * C::kRowBytes + row_offset_in_window(tile_code, r, stride_mod, C::kWindowAlign);
       };
       const int pos_lo = tile_start(it) + g;

@@ -77,5 +77,12 @@ TQ_HD RowChunk aligned_tile_copy(int copy, int lane, int slot_bytes) {
 }
 // Whether chunk `chunk` of an aligned row holds bytes of its slot, which starts `offset16` bytes in.
 TQ_HD bool aligned_chunk_needed(int chunk, int offset16, int slot_bytes) { return 16 * chunk < offset16 + slot_bytes; }
+// Where a copy reads, from the tile's first window (its row-0 slot less offset16: 16-byte aligned),
+// and where it writes in the ring's tile (rows row_bytes apart); the consumer then finds row r's
+// slot at aligned_slot_offset. 32-bit: the kernel stages aligned rows only for token strides up to
+// INT_MAX / 16 (kernels/decode.cu).
+TQ_HD int aligned_copy_source(RowChunk c, int stride_token) { return c.row * stride_token + 16 * c.chunk; }
+TQ_HD int aligned_copy_dest(RowChunk c, int row_bytes) { return c.row * row_bytes + 16 * c.chunk; }
+TQ_HD int aligned_slot_offset(int row, int row_bytes, int offset16) { return row * row_bytes + offset16; }
 
 }  // namespace turboquant

@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 #include <utility>
+#include <vector>
 
 #include "turboquant/preset.h"
 #include "turboquant/staging_window.h"
@@ -190,4 +191,53 @@ TEST(StagingWindow, HeadSlotOffsetModSixteen) {
   EXPECT_EQ(head_slot_offset(16 * 4 * 134, 4 * 134, 134, 16), -1);                  // 536-byte rows
   EXPECT_EQ(head_slot_offset(16 * 4 * 196, 4 * 196, 196, 16), 196 % 16);            // k8v4, 4 heads
   EXPECT_EQ(head_slot_offset(16 * 4 * 134, 4 * 134, 134, 4), 2);
+}
+
+// The aligned-row staging end to end on the host, as a warp of decode.cu runs it: every lane's
+// copies of one tile from a byte-numbered cache into a ring tile, then the consumer's view of each
+// row's slot must be the cache's slot of that token and KV head, and no copy may leave the cache
+// view or its ring row.
+TEST(StagingWindow, AlignedRowsStageEverySlotWhereTheConsumerReadsIt) {
+  std::mt19937_64 rng(17);
+  for (int slot_bytes : slot_sizes()) {
+    const int row_bytes = 16 * window_chunks(slot_bytes, 32) + 16;  // a ring row of decode.cu's size or more
+    for (int heads : {8, 16}) {
+      const int block_size = 16, num_blocks = 5;
+      const int stride_token = heads * slot_bytes, stride_block = block_size * stride_token;
+      if (stride_token % 16 != 0) continue;  // not an aligned-row layout
+      const int64_t span = static_cast<int64_t>(num_blocks) * stride_block;
+      std::vector<uint8_t> cache(span);
+      for (int64_t i = 0; i < span; ++i) cache[i] = static_cast<uint8_t>(i * 131 + (i >> 8));
+      for (int trial = 0; trial < 20; ++trial) {
+        const int head = static_cast<int>(rng() % heads), block = static_cast<int>(rng() % num_blocks);
+        const int rows = 1 + static_cast<int>(rng() % 16);  // tokens of the tile before the range's end
+        const int64_t head_offset = static_cast<int64_t>(head) * slot_bytes;
+        const int offset16 = head_slot_offset(stride_block, stride_token, head_offset, 16);
+        ASSERT_GE(offset16, 0);
+        const int64_t tile_slot = static_cast<int64_t>(block) * stride_block + head_offset;  // the block's first tile
+        std::vector<int> ring(16 * row_bytes, -1);
+        for (int copy = 0; copy < aligned_tile_copies(slot_bytes); ++copy) {
+          for (int lane = 0; lane < 32; ++lane) {
+            const RowChunk c = aligned_tile_copy(copy, lane, slot_bytes);
+            if (c.row >= 16 || c.row >= rows || !aligned_chunk_needed(c.chunk, offset16, slot_bytes)) continue;
+            const int64_t src = tile_slot - offset16 + aligned_copy_source(c, stride_token);
+            const int dst = aligned_copy_dest(c, row_bytes);
+            ASSERT_EQ(src % 16, 0);
+            ASSERT_GE(src, 0);
+            ASSERT_LE(src + 16, span) << "a copy past the cache view";
+            ASSERT_LE(dst + 16, (c.row + 1) * row_bytes) << "a copy past its ring row";
+            for (int k = 0; k < 16; ++k) ring[dst + k] = cache[src + k];
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          const int at = aligned_slot_offset(r, row_bytes, offset16);
+          const int64_t slot = tile_slot + static_cast<int64_t>(r) * stride_token;
+          for (int k = 0; k < slot_bytes; ++k) {
+            ASSERT_EQ(ring[at + k], cache[slot + k]) << "slot " << slot_bytes << " heads " << heads << " head " << head
+                                                      << " row " << r << " byte " << k;
+          }
+        }
+      }
+    }
+  }
 }
