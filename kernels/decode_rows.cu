@@ -414,8 +414,8 @@ bool decode_rows_supports(const DecodeParams& p) {
   if (visit_rows_config(p, RowsBuilt{&built}) != cudaSuccess || !built) return false;
   // By default only where its grid can fill half the SMs (split_plan.h: at short contexts and
   // small batches the per-head kernel's 8x more CTAs win).
-  return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads,
-                                                p.max_blocks_per_seq * c.block_size, device_sm_count());
+  return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads, p.max_blocks_per_seq * c.block_size,
+                                             device_sm_count());
 }
 
 int decode_rows_resident_ctas(const DecodeParams& p) {

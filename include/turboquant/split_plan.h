@@ -74,7 +74,6 @@ struct SplitWaves {
   int two_per_sm = 0;  // ... two per SM; 0 where only one is considered (FP8 keys, one resident)
   int min_tokens = kMinTokensPerSplit;  // the fewest tokens a split keeps
   int tokens_per_pass = kTokenTile;     // tokens the CTA's warps take in one step (tiles x warps)
-  int min_tiles_two_per_sm = 16;        // two CTAs per SM only where each warp keeps this many tiles
   // Contexts from this one on take every split of the grid (first_context_with_splits), so the
   // device applies the rule only below it; 0 (the default): every context takes the whole grid.
   int full_context = 0;
@@ -88,20 +87,18 @@ TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split
   w.two_per_sm = fp8_keys || resident_per_sm <= 1 ? 0 : (base > 0 ? sm_count * resident_per_sm / base : 1);
   w.min_tokens = decode_min_tokens_per_split(warps_per_range);
   w.tokens_per_pass = kTokenTile * warps_per_range;
-  w.min_tiles_two_per_sm = min_tiles_two_per_sm(warps_per_range);
   return w;
 }
 
 // Splits for a context of `context` tokens (at least 1): the wave's count capped so each split
-// keeps w.min_tokens, and two CTAs per SM only where each warp keeps w.min_tiles_two_per_sm
-// tiles.
+// keeps w.min_tokens, and two CTAs per SM only where each warp keeps min_tiles_two_per_sm tiles.
 TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
   const int one = w.one_per_sm < cap ? w.one_per_sm : cap;
   if (w.two_per_sm == 0) return one;
   const int filled = w.two_per_sm < cap ? (w.two_per_sm > 1 ? w.two_per_sm : 1) : cap;
   const int tiles_per_warp = context / (filled * w.tokens_per_pass);
-  return filled > 1 && tiles_per_warp < w.min_tiles_two_per_sm ? one : filled;
+  return filled > 1 && tiles_per_warp < min_tiles_two_per_sm(w.tokens_per_pass / kTokenTile) ? one : filled;
 }
 
 // The shortest context in [0, max_context] that the rule gives at least `num_splits` splits
