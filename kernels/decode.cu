@@ -192,7 +192,9 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
-  const uint32_t table_lane = device::pair_table_lane_address(pair_table, lane);  // this lane's table replica
+  // This lane's replica of the pair table: its byte offset in a pair's row; the table's address is
+  // a uniform base the loads add.
+  const uint32_t table_lane_bytes = device::pair_table_lane_bytes(lane), table_base = smem_address(pair_table);
 
   // Every slot of this CTA's KV head sits at the same offset mod 4 where the block and token strides
   // are multiples of 4 (vLLM's layout at an even KV head count, or slot sizes that are): the tile
@@ -374,7 +376,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       const int pos_lo = tile_start(it) + g;
       const bool tile_ok = tile_code >= 0;
       device::attend_tile<C, kMisalign>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end,
-                                        tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane, qf, st);
+                                        tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane_bytes,
+                                        table_base, qf, st);
       // The next iteration refills this stage: every lane's reads of it are done before that.
       __syncwarp();
       stage = stage == C::kStages - 1 ? 0 : stage + 1;

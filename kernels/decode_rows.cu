@@ -190,11 +190,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
     for (int t = C::early_tiles(half); t < C::kStages - 1 && t < num_tiles; ++t) produce(t, ids);
   }
 
-  // This lane's table replica: its address, or with 64 words per pair its byte offset in a pair's
-  // row, the table's address then a uniform base the loads add.
-  const uint32_t table_lane = C::kPairStrideWords == 64 ? opaque(4u * static_cast<uint32_t>(lane))
-                                                         : device::pair_table_lane_address(pair_table, lane);
-  const uint32_t table_base = smem_address(pair_table);
+  // This lane's table replica: its byte offset in a pair's row; the table's address is a uniform
+  // base the loads add.
+  const uint32_t table_lane_bytes = device::pair_table_lane_bytes(lane), table_base = smem_address(pair_table);
   TileAttention<C::kKSteps> st;
   const uint8_t* const my_slots = ring + warp * C::kSlotBytes;  // this warp's head in every row
   // The tile loop for slots at kMisalign mod 4 (one instantiation per offset a warp can have).
@@ -215,8 +213,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
       const bool tile_ok = block_ok(__shfl_sync(kFullMask, ids, it & 31));
       const int pos_lo = tile_start(it) + g;
       attend_tile<C, kMisalign, C::kPairStrideWords>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end,
-                                                     tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane, qf,
-                                                     st, table_base);
+                                                     tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane_bytes,
+                                                     table_base, qf, st);
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);
     }

@@ -72,11 +72,12 @@ struct TileAttention {
   }
 };
 
-// This lane's replica of the pair table as a shared-memory address (entry `pair` of lane l is
-// word pair * 32 + l), hidden from the compiler behind a move: otherwise it re-derives the lane
-// from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0).
-__device__ __forceinline__ uint32_t pair_table_lane_address(const uint32_t* pair_table, int lane) {
-  return opaque(smem_address(pair_table) + 4u * static_cast<uint32_t>(lane));
+// This lane's byte offset in a pair's row of the pair table (entry `pair` of lane l is word
+// pair * kPairStrideWords + l), hidden from the compiler behind a move: otherwise it re-derives the
+// lane from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0). The
+// table's address is a separate, uniform base that the loads add themselves (LDS [R + UR]).
+__device__ __forceinline__ uint32_t pair_table_lane_bytes(int lane) {
+  return opaque(4u * static_cast<uint32_t>(lane));
 }
 
 // A shared-memory word by address. Not volatile and without a memory clobber: only for data that
@@ -87,22 +88,26 @@ __device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
   return v;
 }
 
-// The half2 pair-table entry for the pair of key codes at `bit` of w. For 4-bit keys a pair is a
-// byte: one PRMT isolates it and one IMAD scales and adds it (2 ALU ops); other widths shift and mask.
-// With a table of 64 words per pair (kPairStrideWords = 64, twice the size) one PRMT builds the
-// whole offset, (pair << 8) | (lane * 4), from the key word and lane_bytes (lane * 4), and the
-// load adds the table's uniform base itself: 1 ALU op.
+// The half2 pair-table entry for the pair of key codes at `bit` of w, from the table at the
+// uniform shared address table_base and this lane's lane_bytes (pair_table_lane_bytes). The load
+// adds the uniform base itself, so only the offset (pair * stride + lane * 4) costs ALU ops:
+//   * 4-bit keys, 64 words per pair (twice the table): one PRMT builds (pair << 8) | lane_bytes
+//     from the key word: 1 op;
+//   * 4-bit keys, 32 words per pair: one PRMT isolates the pair's byte, one LEA scales and adds: 2;
+//   * other widths: one shift (or funnel shift) to bit 7, one LOP3 masks and ors lane_bytes in: 2
+//     (with the lane's replica address in place of lane_bytes the add was a third op, 32 per tile).
 template <int KB, int kPairStrideWords = 32, int NW>
-__device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t table_lane,
-                                               uint32_t table_base = 0) {
+__device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit, uint32_t lane_bytes,
+                                               uint32_t table_base) {
   if constexpr (KB == 4 && kPairStrideWords == 64) {
     const uint32_t selector = 0x5504u | (static_cast<uint32_t>((bit >> 3) & 3) << 4);
-    return load_shared_word(table_base + __byte_perm(w[bit >> 5], table_lane, selector));
+    return load_shared_word(table_base + __byte_perm(w[bit >> 5], lane_bytes, selector));
   } else if constexpr (KB == 4) {
     const uint32_t pair = __byte_perm(w[bit >> 5], 0u, 0x4440u | static_cast<uint32_t>((bit >> 3) & 3));
-    return load_shared_word(table_lane + (pair << 7));
+    return load_shared_word(table_base + ((pair << 7) + lane_bytes));
   } else {
-    return load_shared_word(table_lane + pair_entry_offset(w, bit, 2 * KB, 0u));
+    static_assert(kPairStrideWords == 32, "pair_entry_offset scales pairs by 32 words");
+    return load_shared_word(table_base + pair_entry_offset(w, bit, 2 * KB, lane_bytes));
   }
 }
 
@@ -110,16 +115,16 @@ __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit,
 // past its end; kSlotMisalign: its address mod 4 where every row's is the same and known, which
 // picks the interleaved fragment order of turboquant/fragment_order.h); tokens g and g + 8 of the
 // tile are at positions pos_lo and pos_lo + 8 and count when valid_lo / valid_hi and below the
-// column's limit (limit0, limit1: columns 2c, 2c + 1); table_lane is pair_table_lane_address
-// (kPairStrideWords = 64: lane * 4, and table_base the table's shared address);
+// column's limit (limit0, limit1: columns 2c, 2c + 1); lane_bytes is pair_table_lane_bytes and
+// table_base the pair table's shared address (pair_entry);
 // lane is the caller's lane index, kept in a register (derived from the thread index here, it is
 // recomputed in every tile). Masked tokens get -inf by selection, so garbage in their bytes
 // cannot leak in.
 template <class S, int kSlotMisalign = kUnknownMisalign, int kPairStrideWords = 32, class SlotPtr>
 __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, int pos_lo, bool valid_lo,
-                                            bool valid_hi, int limit0, int limit1, uint32_t table_lane,
-                                            const uint32_t (&qf)[S::D / 16][2],
-                                            TileAttention<TileFragments<S>::kKSteps>& st, uint32_t table_base = 0) {
+                                            bool valid_hi, int limit0, int limit1, uint32_t lane_bytes,
+                                            uint32_t table_base, const uint32_t (&qf)[S::D / 16][2],
+                                            TileAttention<TileFragments<S>::kKSteps>& st) {
   using F = TileFragments<S>;
   constexpr SlotLayout kLayout = S::kLayout;
   const int g = lane >> 2, c = lane & 3;
@@ -140,7 +145,7 @@ __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, i
   // Two accumulators halve the chain of dependent MMAs.
   float sc_even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   auto lookup = [&](const uint32_t (&w)[F::kKeyWords], int bit) {
-    return pair_entry<S::KB, kPairStrideWords>(w, bit, table_lane, table_base);
+    return pair_entry<S::KB, kPairStrideWords>(w, bit, lane_bytes, table_base);
   };
 #pragma unroll
   for (int j = 0; j < F::kKSteps; ++j) {
