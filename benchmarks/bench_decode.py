@@ -41,6 +41,10 @@ SHAPES = {  # (B, Hq, Hkv, L)
     "quick": [(32, 32, 8, 8192), (16, 64, 8, 16384)],
     "small": [(1, 32, 8, 32768), (1, 32, 8, 8192), (8, 32, 8, 8192)],  # set-up/latency-bound: A/B runs
     "ab": [(1, 32, 8, 32768), (8, 32, 8, 8192), (32, 32, 8, 8192), (16, 64, 8, 16384)],  # A/B of loop changes
+    # A loop change and a split-merge change in one A/B: the bandwidth-bound shapes and the per-head
+    # kernel's multi-split short ones (merged by the merge kernel at exact tables).
+    "ab_merge": [(1, 32, 8, 32768), (32, 32, 8, 8192), (16, 64, 8, 16384), (1, 32, 8, 1024), (1, 32, 8, 4096),
+                 (2, 32, 8, 4096)],
     # Around the row kernel's selection rule (turboquant/split_plan.h, row_kernel_preferred:
     # batch x head groups x L/256 x 2 >= SMs), where neither kernel has been timed against the
     # other: `AB_SHAPES=fill gpu_run.sh ab_rows` times both.

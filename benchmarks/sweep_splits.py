@@ -23,7 +23,9 @@ from bench_decode import BLOCK_SIZE, HEAD_DIM, build_cache  # noqa: E402
 from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
 
 # Batch 1..16 at GQA 4 and 8 KV heads: 8..128 CTAs before splitting, so the default picks 33..2.
-SHAPES = [(1, 32, 8, 32768), (2, 32, 8, 16384), (4, 32, 8, 16384), (8, 32, 8, 8192), (16, 32, 8, 8192)]
+# B = 1 at 16k and 8k: the per-head kernel's one-or-two-per-SM threshold (7 tiles per warp) below 32k.
+SHAPES = [(1, 32, 8, 32768), (1, 32, 8, 16384), (1, 32, 8, 8192), (2, 32, 8, 16384), (4, 32, 8, 16384),
+          (8, 32, 8, 8192), (16, 32, 8, 8192)]
 # 64 and 128: the row-staged kernel (decode_rows.cu) runs one CTA per sequence and split at 8 KV heads.
 SPLITS = [0, 1, 2, 4, 8, 16, 33, 64, 128]
 SHORT_SHAPES = [(1, 32, 8, 256), (1, 32, 8, 512), (1, 32, 8, 1024), (2, 32, 8, 1024), (4, 32, 8, 1024),
