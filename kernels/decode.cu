@@ -133,6 +133,9 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
 
   const int lane = opaque<int>(threadIdx.x & 31), warp = opaque<int>(threadIdx.x >> 5);  // in registers (see decode_rows.cu)
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
+  // In a mixed decode the row kernel, launched dependent on this one, may start its CTAs at once
+  // (launch_decode_mixed): it needs nothing of this kernel's until it finishes.
+  if (p.rows_from_context > 0) device::allow_dependent_grid_launch();
   const int kv_head = blockIdx.x / head_chunks;
   const int head_chunk = blockIdx.x % head_chunks;
   const int split = blockIdx.z;
@@ -164,6 +167,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int num_columns = columns.count();
   auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
   auto out_row = [&](int h) { return columns.row(h, column_token(h, num_heads)); };  // column h's row of out
+  // A mixed decode's long sequences are the row kernel's (launch_decode_mixed).
+  if (p.rows_from_context > 0 && columns.seq_len >= p.rows_from_context) return;
   // The splits this row takes: where the library chose the count and the context is shorter than
   // split_waves.full_context, as many as its own context calls for (fewer than the grid's; the
   // rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
@@ -176,11 +181,21 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   if (context < p.split_waves.full_context) {
     range = split_token_range(context, min(p.num_splits, splits_for_context(p.split_waves, context)), split);
   }
-  if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
+  // Partials per row in the workspace (p.partial_stride, set by the launcher): the grid's splits, or
+  // in a mixed decode the stride both kernels share; the entries past this kernel's splits are -inf
+  // for its rows (split s writes s + num_splits, s + 2 num_splits, ...), so the merge weighs them 0.
+  // Read from the kernel's parameters at each use, not held in a register across the tile loop.
+  const int partials = p.partial_stride;
+  if (partials > p.num_splits && static_cast<int>(threadIdx.x) < num_columns) {
+    for (int e = split + p.num_splits; e < partials; e += p.num_splits) {
+      p.partial_lse[out_row(threadIdx.x) * partials + e] = -INFINITY;
+    }
+  }
+  if (range.begin >= range.end && partials > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
     if (static_cast<int>(threadIdx.x) < num_columns) {
-      p.partial_lse[out_row(threadIdx.x) * p.num_splits + split] = -INFINITY;
+      p.partial_lse[out_row(threadIdx.x) * partials + split] = -INFINITY;
     }
     return;
   }
@@ -192,9 +207,12 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.cache.stride_head;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(b) * p.max_blocks_per_seq;
   const int block_shift = __ffs(block_size) - 1;  // block sizes are powers of two (host-checked)
-  // This lane's replica of the pair table: its byte offset in a pair's row; the table's address is
-  // a uniform base the loads add.
-  const uint32_t table_lane_bytes = device::pair_table_lane_bytes(lane), table_base = smem_address(pair_table);
+  // This lane's replica of the pair table: its byte offset in a pair's row, the table's address a
+  // uniform base the loads add (pair_entry). 4-bit keys fold the address into the lane's offset
+  // instead (the lookup is a PRMT and an add either way): a separate base cost the per-head kernel a
+  // register, and a 4-byte spill at D = 128 (ptxas, nvcc 13.0).
+  const uint32_t table_base = C::KB == 4 ? 0u : smem_address(pair_table);
+  const uint32_t table_lane_bytes = device::pair_table_lane_bytes(lane, C::KB == 4 ? smem_address(pair_table) : 0u);
 
   // Every slot of this CTA's KV head sits at the same offset mod 4 where the block and token strides
   // are multiples of 4 (vLLM's layout at an even KV head count, or slot sizes that are): the tile
@@ -468,14 +486,14 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       const float out = any ? num * inv_den : 0.0f;
       if (cluster_splits) {
         split_outs[h * D + d] = out;
-      } else if (p.num_splits == 1) {
+      } else if (partials == 1) {
         static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
       } else {
-        p.partial_out[(row * p.num_splits + split) * D + d] = out;
+        p.partial_out[(row * partials + split) * D + d] = out;
       }
     }
     if (lane == 0 && cluster_splits) split_lses[h] = lse;
-    if (lane == 0 && !cluster_splits && p.num_splits != 1) p.partial_lse[row * p.num_splits + split] = lse;
+    if (lane == 0 && !cluster_splits && partials != 1) p.partial_lse[row * partials + split] = lse;
   }
   if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
     merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v) {
@@ -509,10 +527,10 @@ static bool merge_splits_in_cluster() {
 }
 
 // Whether the per-head kernel of configuration C merges p's splits inside clusters: the launcher
-// and the workspace query (decode_uses_split_workspace) ask this one question.
+// and the workspace query (single_kernel_uses_split_workspace) ask this one question.
 template <class C, typename T>
 bool merges_in_cluster(const DecodeParams& p) {
-  return p.num_splits == kClusterSplits && merge_splits_in_cluster() &&
+  return p.num_splits == kClusterSplits && p.partial_stride == 0 && merge_splits_in_cluster() &&
          prepare_decode_kernel<C, T>().status == cudaSuccess &&
          cluster_launch_fits<decode_kernel<C, T>, kClusterSplits>(kThreads, C::kSmemBytes);
 }
@@ -531,6 +549,8 @@ struct LaunchDecode {
     // shares one (splits in y put batch 2's busy CTAs beside batch 1's, two per SM: B = 2..8 at
     // L = 256 with 32k-token block tables took 13.3-14.1 us against B = 1's 10.0, H200, session 20).
     const dim3 grid(p.cache.num_kv_heads * head_chunks, query_chunks_of(p), p.num_splits);
+    DecodeParams launched = p;
+    if (launched.partial_stride == 0) launched.partial_stride = p.num_splits;  // not a mixed decode's: its own splits
     if (merges_in_cluster<C, T>(p)) {
       // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
       cudaLaunchConfig_t config = {};
@@ -541,11 +561,12 @@ struct LaunchDecode {
       cudaLaunchAttribute cluster = cluster_z_attribute(p.num_splits);
       config.attrs = &cluster;
       config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, p, q_multiplier, head_chunks, true);
+      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, launched, q_multiplier, head_chunks, true);
     }
-    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks, false);
+    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(launched, q_multiplier, head_chunks, false);
     err = cudaGetLastError();
-    if (err != cudaSuccess || p.num_splits == 1) return err;
+    // A mixed decode's per-head part (partial_stride set): launch_decode_mixed merges.
+    if (err != cudaSuccess || p.num_splits == 1 || p.partial_stride > 0) return err;
     return launch_decode_merge(p, stream);
   }
 };
@@ -652,6 +673,16 @@ void choose_decode_splits(DecodeParams& p) {
                                                    p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
                                                    decode_rows_resident_ctas(p), 1);
     p.num_splits = std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
+    // Mixed decode: the sequences below rows_from_context take the per-head kernel, its grid and
+    // each row's splits planned as for a table of rows_from_context - 1 tokens.
+    const int from = mixed_decode_enabled() && forced_decode_kernel() == 0 ? mixed_rows_from_context(p.batch) : 0;
+    if (from > 0) {
+      SplitWaves w = per_head_split_waves(p);
+      p.head_splits = std::min(splits_for_context(w, from - 1), 128);
+      w.full_context = first_context_with_splits(w, p.head_splits, from - 1);
+      p.split_waves = w;
+      p.rows_from_context = from;
+    }
   } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
     SplitWaves w = per_head_split_waves(p);
     p.num_splits = std::min(splits_for_context(w, max_context), 128);
@@ -660,9 +691,9 @@ void choose_decode_splits(DecodeParams& p) {
   }
 }
 
-// The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge
-// through it, the per-head kernel unless its splits merge in a cluster.
-bool decode_uses_split_workspace(const DecodeParams& p) {
+// The kernel choice of launch_decode for a decode that is not mixed, asked for its workspace: the
+// chunked and row kernels merge through it, the per-head kernel unless its splits merge in a cluster.
+static bool single_kernel_uses_split_workspace(const DecodeParams& p) {
   if (p.num_splits < 2) return false;
   if (use_chunked_varlen(p) || decode_rows_supports(p)) return true;
   bool merges = false;
@@ -670,12 +701,49 @@ bool decode_uses_split_workspace(const DecodeParams& p) {
   return !merges;
 }
 
+// A mixed decode's partials per row: the row kernel's (one per CTA) or the per-head kernel's
+// splits, whichever is more.
+static int mixed_partial_stride(const DecodeParams& p) {
+  return std::max(cdiv(p.num_splits, decode_rows_splits_per_cta(p)), p.head_splits);
+}
+
+int decode_workspace_splits(const DecodeParams& p) {
+  if (p.rows_from_context > 0) {
+    const int stride = mixed_partial_stride(p);
+    return stride > 1 ? stride : 0;
+  }
+  return single_kernel_uses_split_workspace(p) ? p.num_splits : 0;
+}
+
+// Mixed decode (p.rows_from_context): the per-head kernel for the short sequences, then the row
+// kernel for the long ones, launched dependent so that its CTAs start while the per-head kernel's
+// run (the per-head kernel allows it at once; each kernel leaves the other's sequences at once),
+// then one merge of both kernels' partials at one stride. The row kernel completes only after the
+// per-head kernel (its first CTA and every CTA with work wait for it before they finish), so the
+// merge, dependent on the row kernel, sees both kernels' results.
+static cudaError_t launch_decode_mixed(const DecodeParams& p, cudaStream_t stream) {
+  const int stride = mixed_partial_stride(p);
+  DecodeParams heads = p;
+  heads.num_splits = p.head_splits;
+  heads.partial_stride = stride;
+  cudaError_t err = visit_decode_config(heads, LaunchDecode{heads, stream});
+  if (err != cudaSuccess) return err;
+  DecodeParams rows = p;
+  rows.partial_stride = stride;
+  err = launch_decode_rows(rows, stream);
+  if (err != cudaSuccess || stride == 1) return err;
+  DecodeParams merge = p;
+  merge.num_splits = stride;
+  return launch_decode_merge(merge, stream);
+}
+
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
   if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
   if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
-  if (decode_rows_supports(p)) return launch_decode_rows(p, stream);
+  if (decode_rows_supports(p)) return p.rows_from_context > 0 ? launch_decode_mixed(p, stream) : launch_decode_rows(p, stream);
+  if (p.rows_from_context > 0) return cudaErrorInvalidValue;  // a mixed plan needs the row kernel for its long sequences
   if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
   return visit_decode_config(p, LaunchDecode{p, stream});
 }

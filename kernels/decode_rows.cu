@@ -108,6 +108,17 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
                              p.num_q_heads};
   const int first_column = warp * group;
   const int limit0 = 2 * c < group ? seq_len : 0, limit1 = 2 * c + 1 < group ? seq_len : 0;
+  // A mixed decode's short sequences are the per-head kernel's (launch_decode_mixed). This kernel,
+  // launched dependent on it, completes only after it: its first CTA waits for it (rows are
+  // disjoint, so no other CTA needs to), after letting the merge start its CTAs.
+  const bool holds_mixed_grid = p.rows_from_context > 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+  if (p.rows_from_context > 0 && seq_len < p.rows_from_context) {
+    if (holds_mixed_grid) {
+      allow_dependent_grid_launch();
+      wait_for_primary_grid();
+    }
+    return;
+  }
   const TokenRange range = has_split ? split_token_range(seq_len, p.num_splits, split) : TokenRange{0, 0};
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
 
@@ -228,6 +239,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   }
 
   allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
+  if (holds_mixed_grid) wait_for_primary_grid();  // a mixed decode's per-head kernel (above)
 
   // ---- this warp's columns are complete for the split: (acc + z) / l and the log-sum-exp (log2
   // domain). The results leave through shared memory as whole rows: straight from the MMA layout a
@@ -277,8 +289,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   } else {
     __syncwarp();
   }
-  // One partial per CTA: grid.y of them per row (launch_decode_merge combines that many).
-  const int num_partials = gridDim.y, partial = blockIdx.y;
+  // One partial per CTA: grid.y of them per row (launch_decode_merge combines that many), or in a
+  // mixed decode at the stride both kernels share, the entries past grid.y -inf for this
+  // kernel's rows (CTA y writes y + grid.y, y + 2 grid.y, ...).
+  const int num_partials = p.partial_stride > 0 ? p.partial_stride : static_cast<int>(gridDim.y);
+  const int partial = blockIdx.y;
   // Lane l writes dims 4l .. 4l + 3 of each column (D = 64: lanes 0-15).
   if (4 * lane < D) {
     for (int col = 0; col < group; ++col) {
@@ -297,6 +312,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
       } else {
         *reinterpret_cast<float4*>(p.partial_out + (row * num_partials + partial) * D + 4 * lane) = o;
         if (lane == 0) p.partial_lse[row * num_partials + partial] = lse;
+        if (lane == 0) {
+          for (int e = partial + static_cast<int>(gridDim.y); e < num_partials; e += static_cast<int>(gridDim.y)) {
+            p.partial_lse[row * num_partials + e] = -INFINITY;
+          }
+        }
       }
     }
   }
@@ -349,6 +369,19 @@ struct LaunchRows {
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;
     const dim3 grid(p.cache.num_kv_heads / kRowHeads, cdiv(p.num_splits, C::kSplitsPerCta), p.batch);
+    if (p.rows_from_context > 0) {  // a mixed decode: dependent on its per-head kernel; launch_decode_mixed merges
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(C::kThreads);
+      config.dynamicSmemBytes = C::kSmemBytes;
+      config.stream = stream;
+      cudaLaunchAttribute overlap[1];
+      overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      overlap[0].val.programmaticStreamSerializationAllowed = 1;
+      config.attrs = overlap;
+      config.numAttrs = device_supports_dependent_launch() ? 1 : 0;
+      return cudaLaunchKernelEx(&config, decode_rows_kernel<C, T>, p, q_multiplier, adjacent_rows);
+    }
     decode_rows_kernel<C, T><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
     err = cudaGetLastError();
     if (err != cudaSuccess || grid.y == 1) return err;
@@ -410,10 +443,20 @@ bool decode_rows_supports(const DecodeParams& p) {
   }
   bool built = false;
   if (visit_rows_config(p, RowsBuilt{&built}) != cudaSuccess || !built) return false;
+  const int max_context = p.max_blocks_per_seq * c.block_size;
+  // A mixed decode whose block table cannot hold a sequence long enough for this kernel: the
+  // per-head kernel serves every sequence.
+  if (forced == 0 && mixed_decode_enabled() && max_context < mixed_rows_from_context(p.batch)) return false;
   // By default only where its grid can fill half the SMs (split_plan.h: at short contexts and
   // small batches the per-head kernel's 8x more CTAs win).
-  return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads, p.max_blocks_per_seq * c.block_size,
-                                             device_sm_count());
+  return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads, max_context, device_sm_count());
+}
+
+// TURBOQUANT_MIXED_DECODE=on, read once per process: mixed plain decodes (launch_decode_mixed)
+// where the row kernel takes a batch by shape. Off (the default) until measured.
+bool mixed_decode_enabled() {
+  static const int choice = env_kernel_choice("TURBOQUANT_MIXED_DECODE", "off", "on");
+  return choice == 2;
 }
 
 int decode_rows_resident_ctas(const DecodeParams& p) {

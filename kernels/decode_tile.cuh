@@ -75,9 +75,10 @@ struct TileAttention {
 // This lane's byte offset in a pair's row of the pair table (entry `pair` of lane l is word
 // pair * kPairStrideWords + l), hidden from the compiler behind a move: otherwise it re-derives the
 // lane from the thread index inside every lookup (two extra ALU ops each, SASS of nvcc 13.0). The
-// table's address is a separate, uniform base that the loads add themselves (LDS [R + UR]).
-__device__ __forceinline__ uint32_t pair_table_lane_bytes(int lane) {
-  return opaque(4u * static_cast<uint32_t>(lane));
+// table's address is a separate, uniform base that the loads add themselves (LDS [R + UR]), or
+// where a kernel folds it in, `plus`.
+__device__ __forceinline__ uint32_t pair_table_lane_bytes(int lane, uint32_t plus = 0u) {
+  return opaque(plus + 4u * static_cast<uint32_t>(lane));
 }
 
 // A shared-memory word by address. Not volatile and without a memory clobber: only for data that

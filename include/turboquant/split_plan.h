@@ -144,6 +144,27 @@ TQ_HD bool row_kernel_preferred(int batch, int head_groups, int max_context, int
   return rows >= kMinRowKernelRows && rows * splits * 2 >= sm_count;
 }
 
+// Mixed plain decode (kernels/decode.cu, launch_decode_mixed; TURBOQUANT_MIXED_DECODE=on, an
+// experiment until measured): where the row kernel takes a batch by its shapes
+// (row_kernel_preferred), each sequence shorter than mixed_rows_from_context(batch) tokens takes
+// the per-head kernel instead, chosen on the device from its own length (both kernels are
+// launched; each leaves the other's sequences at once, and one merge combines their partials). A
+// shape-only choice cannot see the lengths: with a serving engine's block tables (sized for its
+// longest model length) the row kernel took every batch of 3+ sequences, also while they were
+// short. Measured with 32k-token tables, each kernel forced for the whole batch (H200, session
+// 22 call 1, 4bit_nc us, per-head vs rows): B=3 at 256 tokens 9.3 vs 12.5, 1k 12.4 vs 14.3, 4k
+// 21.3 vs 18.8; B=4 9.4 vs 12.4, 11.4 vs 15.1, 4k 18.1 vs 19.4, 16k 34.6 vs 33.4; B=8 10.1 vs
+// 13.0, 14.9 vs 16.9, 4k 23.7 vs 23.8, 16k 57.9 vs 50.4, 32k 107.1 vs 86.0. The per-head kernel's
+// edge is latency, so it shrinks as the batch's work grows: a sequence takes it below
+// kMixedTokens / batch tokens (B=3: 4096, B=4: 3072, B=8: 1536); where that is under
+// kMixedMinContext tokens (B > 48), every sequence takes the row kernel.
+constexpr int kMixedTokens = 12288;
+constexpr int kMixedMinContext = 256;
+TQ_HD int mixed_rows_from_context(int batch) {
+  const int from = batch > 0 ? kMixedTokens / batch : 0;
+  return from >= kMixedMinContext ? from : 0;
+}
+
 // Token range [begin, end) of split `split` for a sequence of `seq_len` tokens; chunks are whole
 // token tiles so no tile straddles two splits. Empty when begin >= end.
 struct TokenRange {

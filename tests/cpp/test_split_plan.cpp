@@ -148,5 +148,17 @@ TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
   }
 }
 
+TEST(SplitPlan, MixedDecodeGivesShortSequencesThePerHeadKernelWhileTheBatchIsSmall) {
+  EXPECT_EQ(mixed_rows_from_context(3), 4096);
+  EXPECT_EQ(mixed_rows_from_context(4), 3072);
+  EXPECT_EQ(mixed_rows_from_context(8), 1536);
+  EXPECT_EQ(mixed_rows_from_context(48), 256);
+  EXPECT_EQ(mixed_rows_from_context(49), 0);  // 250 tokens: every sequence takes the row kernel
+  EXPECT_EQ(mixed_rows_from_context(0), 0);
+  for (int batch = 1; batch < 64; ++batch) {  // fewer tokens per sequence as the batch grows
+    EXPECT_LE(mixed_rows_from_context(batch + 1), mixed_rows_from_context(batch)) << batch;
+  }
+}
+
 }  // namespace
 }  // namespace turboquant
