@@ -51,6 +51,10 @@ SHAPES = {  # (B, Hq, Hkv, L)
     # Short contexts, where a step is latency (launches, the query set-up, the merge) and SDPA bf16
     # was faster (session 17): `BREAKDOWN_ARGS="--shapes short ..." gpu_run.sh breakdown`.
     "short": [(1, 32, 8, 256), (1, 32, 8, 1024), (8, 32, 8, 1024), (1, 32, 8, 4096), (2, 32, 8, 4096)],
+    # The per-head kernel at B = 1-2 with a serving engine's 32k-token tables took 1.4-6 us more than with
+    # tables of exactly L (B=1 L=16k 24.1 vs 17.9, the same 16 splits; session 22): `BREAKDOWN_ARGS="--shapes
+    # serving_gap --splits 0 --table-tokens 32768" gpu_run.sh breakdown`, and again without --table-tokens.
+    "serving_gap": [(1, 32, 8, 4096), (1, 32, 8, 16384), (2, 32, 8, 4096)],
     "fill": [(1, 32, 8, 4096), (2, 32, 8, 4096), (4, 32, 8, 4096), (8, 32, 8, 4096), (4, 32, 8, 2048),
              (8, 32, 8, 2048), (16, 32, 8, 2048), (2, 32, 8, 16384)],
 }

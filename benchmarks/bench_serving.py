@@ -3,8 +3,12 @@ longest model length (32k tokens by default; the entries past a sequence's block
 as vLLM allocates them. The library sees only shapes, so its kernel choice and the grid's split
 count see the table's capacity, never the lengths (the per-head kernel then gives each sequence
 the splits of its own length on the device; the row kernel divides it over the whole grid): this
-table shows what that costs at every length, for the default choice and for each plain-decode kernel forced (TURBOQUANT_DECODE_KERNEL, read once per
-process, hence one subprocess per kernel), next to SDPA bf16 over a dense cache of the same length.
+table shows what that costs at every length, for the default choice, for each plain-decode kernel
+forced (TURBOQUANT_DECODE_KERNEL, read once per process, hence one subprocess per kernel) and for the
+mixed decode (TURBOQUANT_MIXED_DECODE=on: where the row kernel takes the batch, its short sequences
+take the per-head kernel, chosen on the device), next to SDPA bf16 over a dense cache of the same
+length. A second table times batches of mixed lengths (no SDPA: a dense cache would pad every
+sequence to the longest).
 
     python benchmarks/bench_serving.py [--table-tokens 32768] [--out results.md]
 
@@ -32,15 +36,21 @@ BATCHES = [1, 2, 3, 4, 8]  # 3: the first batch the row kernel takes at 8 KV hea
 LENGTHS = [256, 1024, 4096, 16384, 32768]
 HQ, HKV = 32, 8
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
-KERNELS = ["default", "heads", "rows"]
+KERNELS = ["default", "heads", "rows", "mixed"]
+KERNEL_ENV = {"heads": ("TURBOQUANT_DECODE_KERNEL", "heads"), "rows": ("TURBOQUANT_DECODE_KERNEL", "rows"),
+              "mixed": ("TURBOQUANT_MIXED_DECODE", "on")}
+# Batches of mixed lengths (a serving engine's decode batch): short and long sequences side by side.
+MIXED_BATCHES = [[256, 32768, 1024, 16384], [256, 1024, 4096, 16384, 512, 2048, 8192, 32768],
+                 [1024] * 7 + [32768], [512, 512, 512, 512, 16384, 16384, 16384, 16384]]
 
 
-def ours_us(b, length, preset, table_tokens):
+def ours_us(b, length, preset, table_tokens, lens=None):
+    """One step's us; every sequence `length` tokens long, or `lens` (in a cache of `length` per sequence)."""
     packed = b * HKV * length * tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
     caches = [with_table_tokens(build_cache(preset, b, HKV, length, s), table_tokens)
               for s in range(copies_to_defeat_l2(packed))]
     q = torch.randn(b, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens if lens is not None else [length] * b, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, 0) for c in caches]
     return time_us(graph_replays(fns))
 
@@ -53,6 +63,10 @@ def measure_ours(table_tokens):
             for preset in PRESETS:
                 times[f"{b},{length},{preset}"] = ours_us(b, length, preset, table_tokens)
                 torch.cuda.empty_cache()  # the shape's caches and graphs are gone with ours_us' frame
+    for lens in MIXED_BATCHES:
+        for preset in PRESETS:
+            times[f"mixed {lens},{preset}"] = ours_us(len(lens), max(lens), preset, table_tokens, lens)
+            torch.cuda.empty_cache()
     return times
 
 
@@ -70,8 +84,9 @@ def main():
     for kernel in KERNELS:
         env = dict(os.environ)
         env.pop("TURBOQUANT_DECODE_KERNEL", None)
+        env.pop("TURBOQUANT_MIXED_DECODE", None)
         if kernel != "default":
-            env["TURBOQUANT_DECODE_KERNEL"] = kernel
+            env[KERNEL_ENV[kernel][0]] = KERNEL_ENV[kernel][1]
         print(f"timing the {kernel} kernel choice ...", flush=True)
         run = subprocess.run([sys.executable, __file__, "--ours-only", "--table-tokens", str(a.table_tokens)],
                              env=env, capture_output=True, text=True)
@@ -81,20 +96,28 @@ def main():
     lines = [f"Decode with block tables of {a.table_tokens} tokens (a serving engine's), D={HEAD_DIM}, Hq {HQ}, "
              f"Hkv {HKV}, block size 16, {torch.cuda.get_device_name()}, graph replay, us; speed-up of the default "
              "over SDPA bf16 (dense cache of L)", "",
-             "| B | L | SDPA bf16 | preset | default | per-head forced | row forced | default vs SDPA |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| B | L | SDPA bf16 | preset | default | per-head forced | row forced | mixed | default vs SDPA | mixed vs SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for b in BATCHES:
         for length in LENGTHS:
             sdpa, backend = sdpa_best_us(b, HQ, HKV, length, graphed=True)[2:4]
             for preset in PRESETS:
                 key = f"{b},{length},{preset}"
-                d, h, r = (times[k][key] for k in KERNELS)
+                d, h, r, m = (times[k][key] for k in KERNELS)
                 row = (f"| {b} | {length} | {sdpa:.1f} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
-                       f"{r:.1f} | {sdpa / d:.2f}x |")
+                       f"{r:.1f} | {m:.1f} | {sdpa / d:.2f}x | {sdpa / m:.2f}x |")
                 lines.append(row)
                 print(row, flush=True)
-    append_markdown(a.out, lines)
+    mixed = ["", "Batches of mixed lengths, the same tables, us", "",
+             "| lengths | preset | default | per-head forced | row forced | mixed |", "|---|---|---|---|---|---|"]
+    for lens in MIXED_BATCHES:
+        for preset in PRESETS:
+            d, h, r, m = (times[k][f"mixed {lens},{preset}"] for k in KERNELS)
+            mixed.append(f"| {' '.join(str(n) for n in lens)} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
+                         f"{r:.1f} | {m:.1f} |")
+    print("\n".join(mixed), flush=True)
+    append_markdown(a.out, lines + mixed)
 
 
 if __name__ == "__main__":

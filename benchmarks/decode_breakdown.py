@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
 from bench_decode import HEAD_DIM, SHAPES, build_cache, sdpa_best_us  # noqa: E402
+from sweep_splits import with_table_tokens  # noqa: E402
 from timing import append_markdown, graph_replay_us, graph_replays, time_us  # noqa: E402
 
 
@@ -95,15 +96,18 @@ def main():
     p.add_argument("--splits", type=int, nargs="+", default=[0, 8, 16, 32], help="split counts (0: the library's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--placement", action="store_true", help="also the placement table (see placement())")
+    p.add_argument("--table-tokens", type=int, default=0,
+                   help="block tables that could hold this many tokens (a serving engine's), not exactly L")
     p.add_argument("--out", help="markdown file to append the table to")
     a = p.parse_args()
     lines = [f"Decode breakdown, {a.preset} ({torch.cuda.get_device_name()}): one step under graph replay and eager, "
-             "the decode kernel and the merge tail (profiler traces of eager steps and of graph replays), µs", "",
+             "the decode kernel and the merge tail (profiler traces of eager steps and of graph replays), µs"
+             + (f"; block tables of {a.table_tokens} tokens" if a.table_tokens else "; block tables of exactly L tokens"), "",
              "| B | Hq | Hkv | L | splits | step (graph, before / after eager) | step (eager) | decode kernel (eager) | merge tail (eager) "
              "| decode kernel (graph) | merge tail (graph) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for b, hq, hkv, length in SHAPES[a.shapes]:
-        cache, block_table = build_cache(a.preset, b, hkv, length)
+        cache, block_table = with_table_tokens(build_cache(a.preset, b, hkv, length), a.table_tokens)
         q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
         for splits in a.splits:
