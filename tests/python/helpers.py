@@ -100,3 +100,13 @@ def poisoned_cuda_decode(q, cache, bt, sl, preset: str, scale: float, splits: in
     args = [t.cuda() for t in (q, cache, bt, sl)]
     poison_next_allocations(args[0], workspace)
     return tq.decode(*args, preset, scale, splits).cpu()
+
+
+def captured_decode(q, cache, block_table, seq_lens, preset: str, scale: float):
+    """A CUDA graph of one decode (its one-time set-up run first, outside the capture) and the output
+    it writes: replay it after writing new lengths into seq_lens and new queries into q."""
+    tq.decode(q, cache, block_table, seq_lens, preset, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tq.decode(q, cache, block_table, seq_lens, preset, scale)
+    return graph, out

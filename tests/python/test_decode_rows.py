@@ -15,7 +15,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, poisoned_cuda_decode
+from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode
 from reference import rel_err
 
 pytestmark = requires_cuda
@@ -160,10 +160,7 @@ def test_rows_decode_graph_replay_follows_new_lengths():
     cache, bt = cache.cuda(), bt.cuda()
     q = torch.randn(2, 32, 128, device="cuda").half()
     lens = sl.cuda()
-    tq.decode(q, cache, bt, lens, preset, 0.1)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tq.decode(q, cache, bt, lens, preset, 0.1)
+    graph, out = captured_decode(q, cache, bt, lens, preset, 0.1)
     for new_lens in ([500, 260], [3, 259], [480, 0]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn(2, 32, 128).half())

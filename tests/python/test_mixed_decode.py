@@ -17,7 +17,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, poisoned_cuda_decode
+from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode
 from reference import rel_err
 
 # The row kernel (bulk copies, mbarriers) runs on sm_90 and newer only: elsewhere there is nothing to mix.
@@ -74,10 +74,7 @@ def test_mixed_decode_graph_replay_moves_sequences_between_kernels():
     cache, table = cache.cuda(), serving_table(bt, cache).cuda()
     q = torch.randn(4, 32, 128, device="cuda").half()
     lens = sl.cuda()
-    tq.decode(q, cache, table, lens, preset, 0.1)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tq.decode(q, cache, table, lens, preset, 0.1)
+    graph, out = captured_decode(q, cache, table, lens, preset, 0.1)
     for new_lens in ([6000, 100, 3072, 3071], [1, 2, 3, 4], [5999, 0, 4000, 3500], [0, 0, 0, 0]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn(4, 32, 128).half())
