@@ -13,7 +13,7 @@
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
 # per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); BREAKDOWN_ARGS
-# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits_short with block tables of n tokens; COMMIT=<hash>
+# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits and splits_short with block tables of n tokens; COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -61,6 +61,11 @@ fi
 if has splits; then  # decode time against the split count at batch 1..16 (the split rule's evidence)
   mark_step splits
   echo "== decode vs splits"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits.md" || status=1
+  if [ -n "${SPLITS_TABLE_TOKENS:-}" ]; then  # again with a serving engine's block tables: auto vs a forced count
+    echo "== decode vs splits, block tables of $SPLITS_TABLE_TOKENS tokens"
+    PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/sweep_splits.py --table-tokens "$SPLITS_TABLE_TOKENS" \
+      --out "$OUT/splits.md" || status=1
+  fi
 fi
 if has subnormal; then  # standalone: does the PV MMA take fp16 subnormal value codes exactly?
   nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/mma_subnormal_probe.cu -o "$OUT/mma_probe.bin" \
