@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
         *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + 4 * lane) = *reinterpret_cast<const uint2*>(four);
       } else {
         *reinterpret_cast<float4*>(p.partial_out + (row * num_partials + partial) * D + 4 * lane) = o;
-        if (lane == 0) p.partial_lse[row * num_partials + partial] = lse;
         if (lane == 0) {
+          p.partial_lse[row * num_partials + partial] = lse;
           for (int e = partial + static_cast<int>(gridDim.y); e < num_partials; e += static_cast<int>(gridDim.y)) {
             p.partial_lse[row * num_partials + e] = -INFINITY;
           }
