@@ -226,12 +226,20 @@ __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, i
       a3 = high_codes_to_half2<4, S::kValueCodeCenter>(x23);
     } else {
       // Dims 2i (row g) and 2i + 1 (row g + 8) are the two VB-bit codes at bit 2i VB of each
-      // token's chunk: a 16-bit window per token, two tokens per word (one PRMT), then one
-      // mask per dim as in the nibble path.
+      // token's chunk: two tokens' codes in one word, by one PRMT of the byte(s) holding them and
+      // a shift (code_pair_gather, fragment_order.h), or where those bytes straddle two words a
+      // 16-bit window per token and a PRMT; then one mask per dim as in the nibble path.
       static_assert(2 * S::VB <= 16, "two codes must fit a 16-bit window");
       const int bit = 2 * i * S::VB;
-      const uint32_t x01 = __byte_perm(window16(vw[0], bit), window16(vw[1], bit), 0x5410);
-      const uint32_t x23 = __byte_perm(window16(vw[2], bit), window16(vw[3], bit), 0x5410);
+      const CodePairGather gather = code_pair_gather(bit, S::VB);  // constant once the loop unrolls
+      uint32_t x01, x23;
+      if (gather.fits) {
+        x01 = __byte_perm(vw[0][gather.word], vw[1][gather.word], gather.selector) >> gather.shift;
+        x23 = __byte_perm(vw[2][gather.word], vw[3][gather.word], gather.selector) >> gather.shift;
+      } else {
+        x01 = __byte_perm(window16(vw[0], bit), window16(vw[1], bit), 0x5410);
+        x23 = __byte_perm(window16(vw[2], bit), window16(vw[3], bit), 0x5410);
+      }
       a0 = low_codes_to_half2<S::VB, S::kValueCodeCenter>(x01);
       a1 = high_codes_to_half2<S::VB, S::kValueCodeCenter>(x01);
       a2 = low_codes_to_half2<S::VB, S::kValueCodeCenter>(x23);

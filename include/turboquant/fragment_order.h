@@ -64,6 +64,27 @@ TQ_HD constexpr int value_pair(int g, int i, int head_dim, int value_bits, int m
   return (b + bytes) % bytes;
 }
 
+// Two tokens' value codes for one PV MMA in the contiguous order (the two VB-bit codes at bit `bit`
+// of each token's chunk, held as little-endian words) gathered into one word by one PRMT and a
+// shift: token A's codes at bits [0, 2 VB) of the low half, token B's of the high half (the bits
+// above them may be the other token's: the code masks never read them). 3-bit pairs sit every 6
+// bits, so of a D = 128 chunk's 8 pairs one (bits 30-35) straddles two words; there (`fits` false)
+// each token's 16-bit window is shifted out and the two combined by a PRMT: three ops per two
+// tokens, against one (a pair in one byte at bit 0) or two here.
+struct CodePairGather {
+  bool fits;
+  int word;           // the word of each token's chunk that holds the codes' bytes
+  uint32_t selector;  // PRMT(A, B): A's byte b and b + 1 low, B's high (one byte needed: b twice)
+  int shift;          // then right by this many bits
+};
+TQ_HD constexpr CodePairGather code_pair_gather(int bit, int value_bits) {
+  const int byte = bit >> 3, shift = bit & 7, b = byte & 3;
+  const bool one_byte = shift + 2 * value_bits <= 8;
+  const int second = one_byte ? b : b + 1;
+  return {one_byte || b <= 2, byte >> 2,
+          static_cast<uint32_t>(b | (second << 4) | ((b + 4) << 8) | ((second + 4) << 12)), shift};
+}
+
 // The words of an interleaved region for the thread at `index` (c for keys, g for values): words
 // index + kStride * k of a region of R words that starts kMisalign (0 or 2) bytes after the word
 // `words` points at; off a word, the aligned words around the region, the first thread's first

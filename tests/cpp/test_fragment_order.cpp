@@ -143,5 +143,48 @@ TEST(FragmentOrder, ContiguousOrderIsThePerThreadRun) {
   EXPECT_EQ(value_pair(5, 4, 96, 4, 0), 5 * 6 + 4);   // D = 96: 12 value words, no whole rounds of 8
 }
 
+// PRMT as the hardware does it for selectors 0-7 (no sign replication): byte k of the result is
+// byte (selector nibble k) of the 8 bytes {a, b}.
+uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>((bytes >> (8 * ((selector >> (4 * k)) & 7))) & 0xff) << (8 * k);
+  return r;
+}
+
+TEST(FragmentOrder, CodePairGatherPutsTwoTokensCodesInOneWord) {
+  uint32_t state = 12345u;
+  auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  for (int d : {64, 128, 256}) {
+    for (int bits : {3}) {
+      const int chunk_bits = d / 8 * bits, words = (chunk_bits + 31) / 32;
+      int fits = 0;
+      for (int trial = 0; trial < 20; ++trial) {
+        std::vector<uint32_t> a(words + 1), b(words + 1);  // + 1: a window may read one word past
+        for (int w = 0; w <= words; ++w) {
+          a[w] = next();
+          b[w] = next();
+        }
+        auto field = [&](const std::vector<uint32_t>& t, int bit) {  // 2 * bits at `bit`, the reference
+          const uint64_t two = (static_cast<uint64_t>(t[bit / 32 + 1]) << 32) | t[bit / 32];
+          return static_cast<uint32_t>(two >> (bit % 32)) & ((1u << (2 * bits)) - 1u);
+        };
+        for (int i = 0; i < d / 16; ++i) {
+          const int bit = 2 * i * bits;
+          const CodePairGather gather = code_pair_gather(bit, bits);
+          if (!gather.fits) continue;
+          fits += trial == 0;
+          ASSERT_LT(gather.word, words);
+          const uint32_t x = byte_perm(a[gather.word], b[gather.word], gather.selector) >> gather.shift;
+          const uint32_t mask = (1u << (2 * bits)) - 1u;
+          EXPECT_EQ(x & mask, field(a, bit)) << "D=" << d << " pair " << i;
+          EXPECT_EQ((x >> 16) & mask, field(b, bit)) << "D=" << d << " pair " << i;
+        }
+      }
+      EXPECT_EQ(fits, d / 16 - d / 128) << "D=" << d << ": every pair but those straddling two words";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace turboquant
