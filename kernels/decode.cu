@@ -187,9 +187,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // Read from the kernel's parameters at each use, not held in a register across the tile loop.
   const int partials = p.partial_stride;
   if (partials > p.num_splits && static_cast<int>(threadIdx.x) < num_columns) {
-    for (int e = split + p.num_splits; e < partials; e += p.num_splits) {
-      p.partial_lse[out_row(threadIdx.x) * partials + e] = -INFINITY;
-    }
+    mark_partials_empty(p.partial_lse + out_row(threadIdx.x) * partials, split, p.num_splits, partials);
   }
   if (range.begin >= range.end && partials > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
@@ -247,9 +245,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int first_block_id = load_block_id(0);  // in flight during the query's FWHT unless kQueryApart
   int next_block_id = load_block_id(1);
 
-  // ---- the query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table,
-  // then B fragments of Q^T (decode_tile.cuh): before the first tiles are issued where the query
-  // shares the ring's bytes, after it where it has its own area (kQueryApart).
+  // The query columns in shared memory (fp32, rotated for Lloyd-Max keys), staged by the pipeline.
   float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kHeads][D]
   // This thread's score columns' limits: only the tile loop needs them.
   const int limit0 = limit(2 * c), limit1 = limit(2 * c + 1);
@@ -259,7 +255,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // chunks from the slot's start rounded down to 32 bytes to its end. Every lane commits one
   // cp.async group per tile (empty or not), so "all but the newest kStages - 1 groups" is always
   // "this tile and older". Returns the tile's code, the same in every lane: its row 0's address
-  // mod 32, or kMaskedTileCode for a block id outside the cache (turboquant/staging_window.h).
+  // mod 32, or masked_tile_code(slot misalign) for a block id outside the cache
+  // (turboquant/staging_window.h).
   // The consumer derives each row's offset in its window from it: no per-row codes to gather,
   // and the code stays in a register until the tile is consumed, so no shared-memory load heads
   // the chain.
@@ -321,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
     if (base >= 0) {
       const uint8_t* src = p.cache.data + (base - offset16);
       uint8_t* dst = ring + dst_stage * C::kTileBytes;
-      const int rows = range.end - tile_start(local_tile);  // a tile never straddles blocks
+      const int rows = range.end - tile_start(local_tile);  // the range's rows in this tile (the rest not copied)
 #pragma unroll
       for (int i = 0; i < aligned_tile_copies(C::kSlotBytes); ++i) {
         const RowChunk copy = aligned_tile_copy(i, lane, C::kSlotBytes);
@@ -649,8 +646,21 @@ static SplitWaves per_head_split_waves(const DecodeParams& p) {
                             device_sm_count(), per_sm, kWarps);
 }
 
-// Splits fill one wave with the CTAs that have work (the decode kernel: one or two CTAs per SM by
-// decode_num_splits, turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
+constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
+
+// The per-head kernel's plan for contexts up to `capacity` tokens: the grid's splits, and each
+// row's share of them by its own context (p.split_waves). Returns the grid's count.
+static int plan_per_head_splits(DecodeParams& p, int capacity) {
+  SplitWaves w = per_head_split_waves(p);
+  const int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
+  w.full_context = first_context_with_splits(w, splits, capacity);
+  p.split_waves = w;
+  return splits;
+}
+
+// Splits fill one wave with the CTAs that have work (the per-head kernel: one or two CTAs per SM
+// by its split waves, each row taking the share its own context calls for; the row kernel:
+// decode_num_splits; turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
 // alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
 // too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
 // 128 tokens 3 instead of 4).
@@ -660,7 +670,8 @@ void choose_decode_splits(DecodeParams& p) {
   p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
   if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
-    p.num_splits = std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), 128);
+    p.num_splits =
+        std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), kMaxPlannedSplits);
   } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
     // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, so no
     // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
@@ -672,22 +683,16 @@ void choose_decode_splits(DecodeParams& p) {
     const int splits = per_cta * decode_num_splits(p.layout.key_format == KeyFormat::kFp8, p.batch,
                                                    p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
                                                    decode_rows_resident_ctas(p), 1);
-    p.num_splits = std::min(splits, 128 * per_cta);  // kMaxDecodeSplits at 2 per CTA
+    p.num_splits = std::min(splits, kMaxPlannedSplits * per_cta);  // kMaxDecodeSplits at 2 per CTA
     // Mixed decode: the sequences below rows_from_context take the per-head kernel, its grid and
     // each row's splits planned as for a table of rows_from_context - 1 tokens.
-    const int from = mixed_decode_enabled() && forced_decode_kernel() == 0 ? mixed_rows_from_context(p.batch) : 0;
+    const int from = mixed_decode_rows_from(p);
     if (from > 0) {
-      SplitWaves w = per_head_split_waves(p);
-      p.head_splits = std::min(splits_for_context(w, from - 1), 128);
-      w.full_context = first_context_with_splits(w, p.head_splits, from - 1);
-      p.split_waves = w;
+      p.head_splits = plan_per_head_splits(p, from - 1);
       p.rows_from_context = from;
     }
   } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
-    SplitWaves w = per_head_split_waves(p);
-    p.num_splits = std::min(splits_for_context(w, max_context), 128);
-    w.full_context = first_context_with_splits(w, p.num_splits, max_context);
-    p.split_waves = w;
+    p.num_splits = plan_per_head_splits(p, max_context);
   }
 }
 

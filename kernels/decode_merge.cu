@@ -148,11 +148,9 @@ cudaError_t launch_merge(const DecodeParams& p, cudaStream_t stream) {
                         merge_dim_slices(p.num_splits, p.layout.head_dim));
   config.blockDim = dim3(kMergeThreads);
   config.stream = stream;
-  cudaLaunchAttribute overlap[1];
-  overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute overlap = dependent_launch_attribute();
   if (device_supports_dependent_launch()) {
-    config.attrs = overlap;
+    config.attrs = &overlap;
     config.numAttrs = 1;
   }
   return cudaLaunchKernelEx(&config, merge_splits_kernel<T>, static_cast<const float*>(p.partial_out),

@@ -289,10 +289,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   } else {
     __syncwarp();
   }
-  // One partial per CTA: grid.y of them per row (launch_decode_merge combines that many), or in a
-  // mixed decode at the stride both kernels share, the entries past grid.y -inf for this
-  // kernel's rows (CTA y writes y + grid.y, y + 2 grid.y, ...).
-  const int num_partials = p.partial_stride > 0 ? p.partial_stride : static_cast<int>(gridDim.y);
+  // One partial per CTA at p.partial_stride per row (set by the launcher): grid.y, which
+  // launch_decode_merge combines, or in a mixed decode the stride both kernels share, the entries
+  // past grid.y -inf for this kernel's rows (CTA y writes y + grid.y, y + 2 grid.y, ...).
+  const int num_partials = p.partial_stride;
   const int partial = blockIdx.y;
   // Lane l writes dims 4l .. 4l + 3 of each column (D = 64: lanes 0-15).
   if (4 * lane < D) {
@@ -313,9 +313,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
         *reinterpret_cast<float4*>(p.partial_out + (row * num_partials + partial) * D + 4 * lane) = o;
         if (lane == 0) {
           p.partial_lse[row * num_partials + partial] = lse;
-          for (int e = partial + static_cast<int>(gridDim.y); e < num_partials; e += static_cast<int>(gridDim.y)) {
-            p.partial_lse[row * num_partials + e] = -INFINITY;
-          }
+          mark_partials_empty(p.partial_lse + row * num_partials, partial, static_cast<int>(gridDim.y), num_partials);
         }
       }
     }
@@ -369,22 +367,23 @@ struct LaunchRows {
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;
     const dim3 grid(p.cache.num_kv_heads / kRowHeads, cdiv(p.num_splits, C::kSplitsPerCta), p.batch);
-    if (p.rows_from_context > 0) {  // a mixed decode: dependent on its per-head kernel; launch_decode_mixed merges
-      cudaLaunchConfig_t config = {};
-      config.gridDim = grid;
-      config.blockDim = dim3(C::kThreads);
-      config.dynamicSmemBytes = C::kSmemBytes;
-      config.stream = stream;
-      cudaLaunchAttribute overlap[1];
-      overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      overlap[0].val.programmaticStreamSerializationAllowed = 1;
-      config.attrs = overlap;
-      config.numAttrs = device_supports_dependent_launch() ? 1 : 0;
-      return cudaLaunchKernelEx(&config, decode_rows_kernel<C, T>, p, q_multiplier, adjacent_rows);
+    // A mixed decode's part (partial_stride set): dependent on its per-head kernel, and
+    // launch_decode_mixed merges.
+    const bool mixed = p.partial_stride > 0;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(C::kThreads);
+    config.dynamicSmemBytes = C::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute overlap = dependent_launch_attribute();
+    if (mixed && device_supports_dependent_launch()) {
+      config.attrs = &overlap;
+      config.numAttrs = 1;
     }
-    decode_rows_kernel<C, T><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
-    err = cudaGetLastError();
-    if (err != cudaSuccess || grid.y == 1) return err;
+    DecodeParams launched = p;
+    if (!mixed) launched.partial_stride = static_cast<int>(grid.y);  // one partial per CTA, which the kernel reads
+    err = cudaLaunchKernelEx(&config, decode_rows_kernel<C, T>, launched, q_multiplier, adjacent_rows);
+    if (err != cudaSuccess || grid.y == 1 || mixed) return err;
     // One partial per CTA (its halves folded): the workspace, sized for p.num_splits per row, holds
     // grid.y per row, and the merge combines those.
     DecodeParams partials = p;
@@ -446,17 +445,20 @@ bool decode_rows_supports(const DecodeParams& p) {
   const int max_context = p.max_blocks_per_seq * c.block_size;
   // A mixed decode whose block table cannot hold a sequence long enough for this kernel: the
   // per-head kernel serves every sequence.
-  if (forced == 0 && mixed_decode_enabled() && max_context < mixed_rows_from_context(p.batch)) return false;
-  // By default only where its grid can fill half the SMs (split_plan.h: at short contexts and
-  // small batches the per-head kernel's 8x more CTAs win).
+  if (max_context < mixed_decode_rows_from(p)) return false;
+  // By default only from 3 (sequence, 8-head group) rows where its grid can fill half the SMs
+  // (row_kernel_preferred, split_plan.h: at short contexts and small batches the per-head
+  // kernel's 8x more CTAs win).
   return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads, max_context, device_sm_count());
 }
 
-// TURBOQUANT_MIXED_DECODE=on, read once per process: mixed plain decodes (launch_decode_mixed)
-// where the row kernel takes a batch by shape. Off (the default) until measured.
-bool mixed_decode_enabled() {
+// The context from which a plain decode's sequences take the row kernel in a mixed decode
+// (mixed_rows_from_context, turboquant/split_plan.h), 0 where p is not mixed: the switch is off
+// (TURBOQUANT_MIXED_DECODE=on, read once per process; off, the default, until measured) or a
+// kernel is forced.
+int mixed_decode_rows_from(const DecodeParams& p) {
   static const int choice = env_kernel_choice("TURBOQUANT_MIXED_DECODE", "off", "on");
-  return choice == 2;
+  return choice == 2 && forced_decode_kernel() == 0 ? mixed_rows_from_context(p.batch) : 0;
 }
 
 int decode_rows_resident_ctas(const DecodeParams& p) {

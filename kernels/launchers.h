@@ -98,6 +98,17 @@ int device_sm_count();
 // Whether kernels may be launched with programmatic dependent launch (sm_90 and newer).
 bool device_supports_dependent_launch();
 
+// The programmatic dependent launch attribute: the launched kernel's CTAs may start once every CTA
+// of the kernel before it in the stream has let them (griddepcontrol.launch_dependents) or exited,
+// and wait in griddepcontrol.wait for its completion. Attach it only where
+// device_supports_dependent_launch().
+inline cudaLaunchAttribute dependent_launch_attribute() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
 // A kernel forced by environment variable `variable` (tests and A/B runs): 1 when it equals
 // `first`, 2 when it equals `second`, 0 when unset (other values warn and count as unset). Callers
 // read it once per process.
@@ -130,7 +141,7 @@ bool decode_rows_supports(const DecodeParams& p);
 int decode_rows_resident_ctas(const DecodeParams& p);  // CTAs per SM
 int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for 4-bit keys (one CTA of 16 warps), else 1
 int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)
-bool mixed_decode_enabled();  // TURBOQUANT_MIXED_DECODE=on (decode_rows.cu)
+int mixed_decode_rows_from(const DecodeParams& p);  // 0: not mixed (TURBOQUANT_MIXED_DECODE, decode_rows.cu)
 cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream);
 
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);

@@ -96,7 +96,7 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
   const int one = w.one_per_sm < cap ? w.one_per_sm : cap;
   if (w.two_per_sm == 0) return one;
-  const int filled = w.two_per_sm < cap ? (w.two_per_sm > 1 ? w.two_per_sm : 1) : cap;
+  const int filled = w.two_per_sm < cap ? w.two_per_sm : cap;  // two_per_sm >= 1 here
   const int tiles_per_warp = context / (filled * w.tokens_per_pass);
   return filled > 1 && tiles_per_warp < min_tiles_two_per_sm(w.tokens_per_pass / kTokenTile) ? one : filled;
 }

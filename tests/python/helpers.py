@@ -110,3 +110,35 @@ def captured_decode(q, cache, block_table, seq_lens, preset: str, scale: float):
     with torch.cuda.graph(graph):
         out = tq.decode(q, cache, block_table, seq_lens, preset, scale)
     return graph, out
+
+
+def serving_table(bt: torch.Tensor, cache: torch.Tensor, tokens: int = 32768) -> torch.Tensor:
+    """bt widened to `tokens` tokens per sequence, as a serving engine sizes it for its longest model
+    length; the entries past each sequence's blocks are stale ids of other blocks."""
+    stale = torch.randint(0, cache.shape[0], (bt.shape[0], tokens // 16 - bt.shape[1]), dtype=torch.int32)
+    return torch.cat([bt, stale], dim=1)
+
+
+def rerun_tests_with(path: str, env_changes: dict, select: str, workers: int = 0) -> None:
+    """Runs the tests of `path` that `select` (-k) picks in a fresh process whose environment has
+    env_changes (None: unset), for switches the library reads once per process, and asserts that
+    they all passed and none was skipped. Under compute-sanitizer (gpu_run.sh sets
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1) graph tests are left out: without the caching allocator a
+    capture would cudaMalloc. `workers`: pytest-xdist workers, where it is installed."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    for name, value in env_changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        select += " and not graph"
+    parallel = ["-n", str(workers)] if workers and importlib.util.find_spec("xdist") is not None else []
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, path, "-k", select],
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]

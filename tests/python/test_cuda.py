@@ -2,16 +2,14 @@
 dense K/V from dequantize; graphs, compile and streams. Skipped (saying why) without a GPU."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, poison_next_allocations, poisoned_cuda_decode, store_fp16_extremes
+from helpers import (make_paged_batch, poison_next_allocations, poisoned_cuda_decode, rerun_tests_with, serving_table,
+                     store_fp16_extremes)
 from reference import hadamard_matrix, rel_err
 
 pytestmark = requires_cuda
@@ -269,21 +267,10 @@ def test_decode_split_merges_match_cpu(head_dim, num_splits):
 def test_decode_split_merge_kernel_forced():
     """The split-merge tests above with TURBOQUANT_SPLIT_MERGE=kernel (read once per process,
     hence the subprocess): the per-head kernel's 2 splits then merge in the merge kernel too."""
-    env = dict(os.environ, TURBOQUANT_SPLIT_MERGE="kernel")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                             "split_merges_match_cpu"], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    rerun_tests_with(__file__, {"TURBOQUANT_SPLIT_MERGE": "kernel"}, "split_merges_match_cpu")
 
 
 SERVING_LENS = [0, 1, 40, 256, 700, 3000]
-
-
-def _serving_table(bt, cache, tokens=32768):
-    """bt widened to `tokens` tokens per sequence, as a serving engine sizes it for its longest model
-    length; the entries past each sequence's blocks are stale ids of other blocks."""
-    stale = torch.randint(0, cache.shape[0], (bt.shape[0], tokens // 16 - bt.shape[1]), dtype=torch.int32)
-    return torch.cat([bt, stale], dim=1)
 
 
 @pytest.mark.parametrize("preset, heads, lens", [
@@ -302,7 +289,7 @@ def test_decode_serving_block_tables(preset, heads, lens):
     cache, bt, sl, _, _ = make_paged_batch(lens, 16, heads, head_dim, preset, seed=heads + len(lens))
     q = torch.randn(len(lens), heads * 4, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
-    out = poisoned_cuda_decode(q, cache, _serving_table(bt, cache), sl, preset, head_dim ** -0.5, 0, workspace=True)
+    out = poisoned_cuda_decode(q, cache, serving_table(bt, cache), sl, preset, head_dim ** -0.5, 0, workspace=True)
     assert not out.isnan().any()
     assert (out[0] == 0).all()
     assert rel_err(out, ref) <= 2e-3
@@ -317,7 +304,7 @@ def test_decode_varlen_serving_block_tables():
     starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     query = torch.randn(int(starts[-1]), heads * group, head_dim).half().float()
     ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, 1)
-    dev = [t.cuda() for t in (query.half(), cache, _serving_table(bt, cache), sl, starts)]
+    dev = [t.cuda() for t in (query.half(), cache, serving_table(bt, cache), sl, starts)]
     poison_next_allocations(dev[0], workspace=True)
     out = tq.decode_varlen(*dev, preset, 0.1, 0)
     assert torch.isfinite(out).all()

@@ -5,7 +5,6 @@ shape; test_each_decode_kernel_passes_these_tests reruns the file with each kern
 (TURBOQUANT_DECODE_KERNEL, read once per process; "rows" fails a decode it cannot serve), so the
 row kernel provably ran and the per-head kernel sees the same shapes. Skipped without a GPU."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode
+from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with
 from reference import rel_err
 
 pytestmark = requires_cuda
@@ -172,17 +171,9 @@ def test_rows_decode_graph_replay_follows_new_lengths():
 
 @pytest.mark.parametrize("kernel", ["rows", "heads"])
 def test_each_decode_kernel_passes_these_tests(kernel):
-    env = dict(os.environ, TURBOQUANT_DECODE_KERNEL=kernel)
-    select = "not each_decode_kernel"
-    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":  # compute-sanitizer runs (gpu_run.sh):
-        select += " and not graph"  # without the caching allocator a capture would cudaMalloc
     # Four workers where pytest-xdist is installed: run alone, the per-head rerun was the suite's
     # last test and outlasted gpu_run.sh's 450 s budget (H200, session 20).
-    workers = ["-n", "4"] if importlib.util.find_spec("xdist") is not None else []
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, __file__, "-k",
-                             select], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    rerun_tests_with(__file__, {"TURBOQUANT_DECODE_KERNEL": kernel}, "not each_decode_kernel", workers=4)
 
 
 def test_forced_rows_kernel_refuses_a_shape_it_cannot_serve():

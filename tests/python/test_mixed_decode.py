@@ -9,15 +9,13 @@ kernels ran. The workspace and the output are poisoned with NaN first, so a part
 either kernel forgets to write cannot pass. Skipped without a GPU."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode
+from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with, serving_table
 from reference import rel_err
 
 # The row kernel (bulk copies, mbarriers) runs on sm_90 and newer only: elsewhere there is nothing to mix.
@@ -25,13 +23,6 @@ pytestmark = [requires_cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="the row kernel needs sm_90")]
 
 MIXED = os.environ.get("TURBOQUANT_MIXED_DECODE") == "on"
-
-
-def serving_table(bt, cache, tokens=32768):
-    """bt widened to `tokens` tokens per sequence (stale block ids past each sequence's blocks), as a
-    serving engine sizes it for its longest model length."""
-    stale = torch.randint(0, cache.shape[0], (bt.shape[0], tokens // 16 - bt.shape[1]), dtype=torch.int32)
-    return torch.cat([bt, stale], dim=1)
 
 
 @pytest.mark.parametrize("preset", list(tq.PRESETS))
@@ -108,12 +99,6 @@ def test_mixed_decode_launches_both_kernels():
 
 
 def test_mixed_decode_passes_these_tests():
-    env = dict(os.environ, TURBOQUANT_MIXED_DECODE="on")
-    env.pop("TURBOQUANT_DECODE_KERNEL", None)  # a forced kernel is never mixed
-    select = "not passes_these_tests"
-    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":  # compute-sanitizer runs (gpu_run.sh):
-        select += " and not graph"  # without the caching allocator a capture would cudaMalloc
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
-                            env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    # A forced kernel is never mixed: unset.
+    rerun_tests_with(__file__, {"TURBOQUANT_MIXED_DECODE": "on", "TURBOQUANT_DECODE_KERNEL": None},
+                     "not passes_these_tests")

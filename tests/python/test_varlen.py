@@ -5,7 +5,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch
+from helpers import make_paged_batch, rerun_tests_with
 from reference import rel_err
 
 PRESETS = list(tq.PRESETS)
@@ -192,17 +192,7 @@ def test_each_varlen_kernel_passes_the_varlen_cuda_tests(kernel):
     once the average chunk fills half of them), so each test above exercises one of them: run this
     file's CUDA tests again with each kernel forced (TURBOQUANT_VARLEN_KERNEL, read once per
     process), so both see every shape."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, TURBOQUANT_VARLEN_KERNEL=kernel)
-    select = "cuda and not each_varlen_kernel"
-    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":  # compute-sanitizer runs (gpu_run.sh):
-        select += " and not graph"  # without the caching allocator a capture would cudaMalloc
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                             "-k", select], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    rerun_tests_with(__file__, {"TURBOQUANT_VARLEN_KERNEL": kernel}, "cuda and not each_varlen_kernel")
 
 
 @requires_cuda
