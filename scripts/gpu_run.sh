@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe cta_placement diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 520: the whole suite took over 450 s in session 20); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on each, default 1 32 8 32768); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
@@ -53,6 +53,11 @@ if has probe; then
   # A box starting off a 16-byte boundary is expected to fault: each start in its own process.
   echo "== TMA box starts (x: bytes into the token row)"; echo "| x | result |"; echo "|---|---|"
   for x in 0 16 144 2 8 134; do timeout 30 "$OUT/tma_probe.bin" "$x"; done | tee "$OUT/tma_probe.md"
+fi
+if has cta_placement; then  # standalone: where a grid's CTAs land, and what CTAs without work cost the busy ones
+  mark_step cta_placement
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/cta_placement_probe.cu -o "$OUT/cta_probe.bin" > "$OUT/cta_probe_build.log" 2>&1 \
+    && echo "== CTA placement probe" && timeout 120 "$OUT/cta_probe.bin" | tee "$OUT/cta_placement.md" || status=1
 fi
 if has diagnose; then
   mark_step diagnose
