@@ -21,7 +21,8 @@
 //     columns are rotated once per CTA, each by its warp's FWHT in registers, while the first
 //     tiles' copies are in flight (DecodeConfig::kQueryApart).
 // Where the library chose the split count, each CTA row takes as many of the grid's splits as its
-// own context calls for (DecodeParams::split_waves); CTAs of splits with no tokens leave at once.
+// own context calls for (DecodeParams::split_waves, row_splits_in_grid); CTAs of splits with no
+// tokens leave at once.
 // Warps combine in shared memory; with several splits the two CTAs of a cluster (2 splits,
 // merge_cluster_splits) or the merge kernel (decode_merge.cu) combine the per-split results by
 // log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
@@ -170,8 +171,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // A mixed decode's long sequences are the row kernel's (launch_decode_mixed).
   if (p.rows_from_context > 0 && columns.seq_len >= p.rows_from_context) return;
   // The splits this row takes: where the library chose the count and the context is shorter than
-  // split_waves.full_context, as many as its own context calls for (fewer than the grid's; the
-  // rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
+  // split_waves.full_context, as many as row_splits_in_grid gives its context (at most the grid's;
+  // the rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
   // only below full_context: the rule costs three dependent integer divisions between seq_len's
   // load and the block ids' (applied to every row it measured about 0.3 us slower per short step,
   // H200, session 20, calls 1 and 2), while the grid's count is known at launch, so the compiler
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   const int context = limit(num_columns - 1);
   TokenRange range = split_token_range(context, p.num_splits, split);
   if (context < p.split_waves.full_context) {
-    range = split_token_range(context, min(p.num_splits, splits_for_context(p.split_waves, context)), split);
+    range = split_token_range(context, row_splits_in_grid(p.split_waves, context, p.num_splits), split);
   }
   // Partials per row in the workspace (p.partial_stride, set by the launcher): the grid's splits, or
   // in a mixed decode the stride both kernels share; the entries past this kernel's splits are -inf
@@ -541,10 +542,11 @@ struct LaunchDecode {
     if (err != cudaSuccess) return err;
     const int head_chunks = head_chunks_of(p);
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
-    // Splits vary slowest: where a row takes fewer splits than the grid (DecodeParams::split_waves),
-    // the CTAs with tokens come first in launch order and so get SMs of their own before any
-    // shares one (splits in y put batch 2's busy CTAs beside batch 1's, two per SM: B = 2..8 at
-    // L = 256 with 32k-token block tables took 13.3-14.1 us against B = 1's 10.0, H200, session 20).
+    // Splits vary slowest: where rows take fewer splits than the grid (DecodeParams::split_waves),
+    // the CTAs with tokens come first in launch order and so spread over the SMs (splits in y put
+    // batch 2's busy CTAs beside batch 1's, two per SM: B = 2..8 at L = 256 with 32k-token block
+    // tables took 13.3-14.1 us against B = 1's 10.0, H200, session 20), though not one per SM
+    // each: the block scheduler doubles some up before every SM has one (row_splits_in_grid).
     const dim3 grid(p.cache.num_kv_heads * head_chunks, query_chunks_of(p), p.num_splits);
     DecodeParams launched = p;
     if (launched.partial_stride == 0) launched.partial_stride = p.num_splits;  // not a mixed decode's: its own splits
@@ -646,6 +648,14 @@ static SplitWaves per_head_split_waves(const DecodeParams& p) {
                             device_sm_count(), per_sm, kWarps);
 }
 
+// Whether a short row fills a grid sized for two CTAs per SM (SplitWaves::fill_grid,
+// row_splits_in_grid): TURBOQUANT_ROW_SPLITS=fill (the default) or own (each row keeps the count
+// of its own length, as before session 23; read once per process, for A/B runs and tests).
+static bool short_rows_fill_grid() {
+  static const int choice = env_kernel_choice("TURBOQUANT_ROW_SPLITS", "own", "fill");
+  return choice != 1;
+}
+
 constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
 
 // The per-head kernel's plan for contexts up to `capacity` tokens: the grid's splits, and each
@@ -654,6 +664,7 @@ static int plan_per_head_splits(DecodeParams& p, int capacity) {
   SplitWaves w = per_head_split_waves(p);
   const int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
   w.full_context = first_context_with_splits(w, splits, capacity);
+  w.fill_grid = short_rows_fill_grid();
   p.split_waves = w;
   return splits;
 }

@@ -54,10 +54,11 @@ struct DecodeParams {
   float scale = 1.0f;
   int num_splits = 1;
   // Set where the library chose num_splits for the per-head kernel (choose_decode_splits):
-  // each CTA row then takes min(num_splits, splits_for_context(split_waves, its context)) of
-  // the grid's splits, so a short sequence in a block table sized for long ones keeps the splits
-  // its own length calls for, and the CTAs of the other splits exit at once. Unset (full_context
-  // 0): every sequence is divided into num_splits.
+  // each CTA row then takes row_splits_in_grid(split_waves, its context, num_splits) of the
+  // grid's splits, so a short sequence in a block table sized for long ones keeps the splits its
+  // own length calls for (or, where those would fill one CTA per SM of a grid sized for two, the
+  // grid's), and the CTAs of the other splits exit at once. Unset (full_context 0): every
+  // sequence is divided into num_splits.
   SplitWaves split_waves;
   // Mixed plain decode (launch_decode, turboquant/split_plan.h mixed_rows_from_context): sequences
   // of at least rows_from_context tokens take the row kernel (num_splits splits), shorter ones the

@@ -77,6 +77,9 @@ struct SplitWaves {
   // Contexts from this one on take every split of the grid (first_context_with_splits), so the
   // device applies the rule only below it; 0 (the default): every context takes the whole grid.
   int full_context = 0;
+  // Where a row's own rule fills one CTA per SM in a grid sized for two (row_splits_in_grid):
+  // true, the row divides over the grid's splits instead; false, it keeps its own count.
+  bool fill_grid = false;
 };
 
 TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split, int sm_count, int resident_per_sm,
@@ -99,6 +102,29 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   const int filled = w.two_per_sm < cap ? w.two_per_sm : cap;  // two_per_sm >= 1 here
   const int tiles_per_warp = context / (filled * w.tokens_per_pass);
   return filled > 1 && tiles_per_warp < min_tiles_two_per_sm(w.tokens_per_pass / kTokenTile) ? one : filled;
+}
+
+// How many of a grid of `grid_splits` splits a row of `context` tokens takes (the per-head decode
+// kernel, on the device, where the library chose the count): its own count (splits_for_context),
+// except where that fills one CTA per SM while the grid was sized for two per SM by a longer
+// capacity (a serving engine's block tables) and w.fill_grid is set: then the whole grid, capped
+// so each split keeps w.min_tokens. Why: the block scheduler does not give a grid's first CTAs
+// one SM each. In a grid of 8 x 33 CTAs at two per SM the first 128 in launch order landed on
+// 120 SMs, 8 of them holding two (benchmarks/probes/cta_placement_probe.cu, H200, session 23),
+// and a decode CTA nearly fills an SM alone, so those 8 SMs set the time: B = 1 with 32k-token
+// tables, the decode kernel took 18.1 us at L = 16k (16 splits with tokens) where a grid of
+// exactly those 16 splits took 12.5, and 9.0 against 6.7 at 4k. The grid's whole count (two per
+// SM on every SM, an even load) took 18.3 us per step at 16k against 23.9, 15.0 at 8k against
+// 17.9, 11.7 at 4k against 12.7 (forced counts, sweep_splits.py / decode_breakdown.py
+// --table-tokens 32768). A row short enough to take fewer than one CTA per SM keeps its count (64
+// busy CTAs of 264 landed on 64 SMs).
+TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) {
+  const int own = splits_for_context(w, context);
+  if (w.fill_grid && own >= w.one_per_sm && grid_splits > own) {
+    const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
+    return grid_splits < cap ? grid_splits : cap;
+  }
+  return own < grid_splits ? own : grid_splits;
 }
 
 // The shortest context in [0, max_context] that the rule gives at least `num_splits` splits

@@ -2,6 +2,8 @@
 // context, and token ranges that tile a sequence in whole 16-token tiles.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "turboquant/split_plan.h"
 
 namespace turboquant {
@@ -124,6 +126,53 @@ TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {
             if (warps == 8) EXPECT_GE(splits, previous) << context << " tokens, batch " << batch;
             previous = splits;
           }
+        }
+      }
+    }
+  }
+}
+
+TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
+  // B = 1 at 8 KV heads with a 32k-token table: a grid of 33 splits (two CTAs per SM).
+  SplitWaves w = decode_split_waves(false, 1, 8, 132, 2, 8);
+  const int grid = splits_for_context(w, 32768);
+  ASSERT_EQ(grid, 33);
+  w.fill_grid = true;
+  EXPECT_EQ(row_splits_in_grid(w, 16384, grid), 33);  // its own rule: 16, one per SM
+  EXPECT_EQ(row_splits_in_grid(w, 4096, grid), 32);   // capped: 128 tokens per split
+  EXPECT_EQ(row_splits_in_grid(w, 2048, grid), 16);   // the cap is its own count
+  EXPECT_EQ(row_splits_in_grid(w, 1024, grid), 8);    // fewer than one per SM: its own
+  EXPECT_EQ(row_splits_in_grid(w, 256, grid), 2);
+  EXPECT_EQ(row_splits_in_grid(w, 0, grid), 1);
+  EXPECT_EQ(row_splits_in_grid(w, 16384, 16), 16) << "a table of exactly 16k tokens: the grid is its own count";
+  // Without fill_grid (TURBOQUANT_ROW_SPLITS=own) and for FP8 keys (one CTA per SM, no second
+  // wave to fill): the row's own count.
+  SplitWaves own = w;
+  own.fill_grid = false;
+  EXPECT_EQ(row_splits_in_grid(own, 16384, grid), 16);
+  EXPECT_EQ(row_splits_in_grid(own, 4096, grid), 16);
+  SplitWaves fp8 = decode_split_waves(true, 1, 8, 132, 2, 8);
+  fp8.fill_grid = true;
+  EXPECT_EQ(row_splits_in_grid(fp8, 4096, splits_for_context(fp8, 32768)), 16);
+  // Everywhere: between 1 and the grid, never below the row's own count (capped by the grid),
+  // never a split of fewer than min_tokens tokens beyond the own count's, and never fewer splits
+  // for a longer context (so full_context still marks where rows take the whole grid).
+  for (bool fp8_keys : {false, true}) {
+    for (int batch : {1, 2, 3, 4, 8, 17}) {
+      SplitWaves waves = decode_split_waves(fp8_keys, batch, 8, 132, 2, 8);
+      waves.fill_grid = true;
+      for (int capacity : {256, 4096, 32768, 131072}) {
+        const int grid_splits = splits_for_context(waves, capacity);
+        int previous = 1;
+        for (int context = 0; context <= capacity; context += 61) {
+          const int splits = row_splits_in_grid(waves, context, grid_splits);
+          const int own_splits = std::min(splits_for_context(waves, context), grid_splits);
+          EXPECT_GE(splits, 1);
+          EXPECT_LE(splits, grid_splits);
+          EXPECT_GE(splits, own_splits) << context << " tokens, batch " << batch;
+          if (splits > own_splits) EXPECT_LE(splits, ceil_div(context, waves.min_tokens)) << context;
+          EXPECT_GE(splits, previous) << context << " tokens, batch " << batch << ", capacity " << capacity;
+          previous = splits;
         }
       }
     }

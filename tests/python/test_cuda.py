@@ -278,6 +278,11 @@ SERVING_LENS = [0, 1, 40, 256, 700, 3000]
     ("turboquant_4bit_nc", 4, SERVING_LENS),  # 11
     ("turboquant_k8v4", 4, SERVING_LENS),     # 5
     ("turboquant_k8v4", 4, SERVING_LENS + [200, 129, 128, 2, 17, 4000, 333, 90, 1500, 64]),  # B = 16: 2, merged in clusters
+    # 8 KV heads, where a row that would fill one CTA per SM takes a grid sized for two
+    # (row_splits_in_grid; on an H200): B = 1, 33 splits where its own rule gives 16; B = 2, 16
+    # where it gives 8 (3000 tokens: 16 of 192) and an empty row beside it.
+    ("turboquant_4bit_nc", 8, [16384]),
+    ("turboquant_3bit_nc", 8, [3000, 0]),
 ])
 def test_decode_serving_block_tables(preset, heads, lens):
     """Block tables sized for 32k tokens, as a serving engine allocates them for its longest model
@@ -291,8 +296,14 @@ def test_decode_serving_block_tables(preset, heads, lens):
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
     out = poisoned_cuda_decode(q, cache, serving_table(bt, cache), sl, preset, head_dim ** -0.5, 0, workspace=True)
     assert not out.isnan().any()
-    assert (out[0] == 0).all()
+    assert (out[sl == 0] == 0).all()  # empty sequences: zeros
     assert rel_err(out, ref) <= 2e-3
+
+
+def test_decode_serving_block_tables_own_row_splits():
+    """The serving-table tests with TURBOQUANT_ROW_SPLITS=own (read once per process): each row
+    keeps the splits of its own length, as before session 23."""
+    rerun_tests_with(__file__, {"TURBOQUANT_ROW_SPLITS": "own"}, "serving_block_tables and not own_row_splits")
 
 
 def test_decode_varlen_serving_block_tables():
