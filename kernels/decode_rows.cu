@@ -454,7 +454,7 @@ bool decode_rows_supports(const DecodeParams& p) {
 
 // The context from which a plain decode's sequences take the row kernel in a mixed decode
 // (mixed_rows_from_context, turboquant/split_plan.h), 0 where p is not mixed: the switch is off
-// (TURBOQUANT_MIXED_DECODE=on, read once per process; off, the default, until measured) or a
+// (TURBOQUANT_MIXED_DECODE=on, read once per process; off, the default: it lost where measured, session 23) or a
 // kernel is forced.
 int mixed_decode_rows_from(const DecodeParams& p) {
   static const int choice = env_kernel_choice("TURBOQUANT_MIXED_DECODE", "off", "on");

@@ -113,11 +113,11 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
 // 120 SMs, 8 of them holding two (benchmarks/probes/cta_placement_probe.cu, H200, session 23),
 // and a decode CTA nearly fills an SM alone, so those 8 SMs set the time: B = 1 with 32k-token
 // tables, the decode kernel took 18.1 us at L = 16k (16 splits with tokens) where a grid of
-// exactly those 16 splits took 12.5, and 9.0 against 6.7 at 4k. The grid's whole count (two per
-// SM on every SM, an even load) took 18.3 us per step at 16k against 23.9, 15.0 at 8k against
-// 17.9, 11.7 at 4k against 12.7 (forced counts, sweep_splits.py / decode_breakdown.py
-// --table-tokens 32768). A row short enough to take fewer than one CTA per SM keeps its count (64
-// busy CTAs of 264 landed on 64 SMs).
+// exactly those 16 splits took 12.5, and 9.0 against 6.7 at 4k. With this rule (two per SM on
+// every SM, an even load; H200, session 23, bench_serving.py and sweep_splits.py --table-tokens
+// 32768, 4bit_nc): 18.3 us per step at 16k against 23.9, 15.4 at 8k against 17.9, 11.8 at 4k
+// against 13.1-14.4; B = 2 and FP8 keys unchanged. A row short enough to take fewer than one CTA
+// per SM keeps its count (64 busy CTAs of 264 landed on 64 SMs).
 TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) {
   const int own = splits_for_context(w, context);
   if (w.fill_grid && own >= w.one_per_sm && grid_splits > own) {
@@ -171,7 +171,9 @@ TQ_HD bool row_kernel_preferred(int batch, int head_groups, int max_context, int
 }
 
 // Mixed plain decode (kernels/decode.cu, launch_decode_mixed; TURBOQUANT_MIXED_DECODE=on, an
-// experiment until measured): where the row kernel takes a batch by its shapes
+// experiment, off: measured in session 23 it recovers only part of the per-head kernel's lead at
+// short contexts and costs 1-45 % at long ones and in batches of mixed lengths, benchmarks/RESULTS.md):
+// where the row kernel takes a batch by its shapes
 // (row_kernel_preferred), each sequence shorter than mixed_rows_from_context(batch) tokens takes
 // the per-head kernel instead, chosen on the device from its own length (both kernels are
 // launched; each leaves the other's sequences at once, and one merge combines their partials). A
