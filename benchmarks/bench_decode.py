@@ -55,6 +55,12 @@ SHAPES = {  # (B, Hq, Hkv, L)
     # tables of exactly L (B=1 L=16k 24.1 vs 17.9, the same 16 splits; session 22): `BREAKDOWN_ARGS="--shapes
     # serving_gap --splits 0 --table-tokens 32768" gpu_run.sh breakdown`, and again without --table-tokens.
     "serving_gap": [(1, 32, 8, 4096), (1, 32, 8, 16384), (2, 32, 8, 4096)],
+    # Session 23 found that cost to be the block scheduler doubling up some of the grid's first CTAs,
+    # and gave such rows the grid's splits (row_splits_in_grid) where their own count fills one CTA
+    # per SM; between 1.9k and 4k tokens (B=1) the 128-token cap keeps them at 16-31 splits, still
+    # first in a grid of 33: these lengths tell whether that range pays too.
+    "serving_mid": [(1, 32, 8, 1536), (1, 32, 8, 2048), (1, 32, 8, 3072), (1, 32, 8, 8192), (2, 32, 8, 2048),
+                    (2, 32, 8, 8192)],
     "fill": [(1, 32, 8, 4096), (2, 32, 8, 4096), (4, 32, 8, 4096), (8, 32, 8, 4096), (4, 32, 8, 2048),
              (8, 32, 8, 2048), (16, 32, 8, 2048), (2, 32, 8, 16384)],
 }
