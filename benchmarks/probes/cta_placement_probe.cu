@@ -19,14 +19,7 @@
 #include <map>
 #include <vector>
 
-#define CHECK(x)                                                                            \
-  do {                                                                                      \
-    cudaError_t e = (x);                                                                    \
-    if (e != cudaSuccess) {                                                                 \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "probe_check.h"
 
 struct Record {
   unsigned smid;

@@ -19,14 +19,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e = (x);                                                                      \
-    if (e != cudaSuccess) {                                                                   \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__);   \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe_check.h"
 
 enum Mechanism { kBulkPerRow = 0, kCpAsync16 = 1, kLdg16 = 2 };
 constexpr int kWarps = 8, kTile = 16, kStages = 3;
