@@ -154,6 +154,13 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
   SplitWaves fp8 = decode_split_waves(true, 1, 8, 132, 2, 8);
   fp8.fill_grid = true;
   EXPECT_EQ(row_splits_in_grid(fp8, 4096, splits_for_context(fp8, 32768)), 16);
+  // B = 25 at 4 KV heads (100 CTAs per split): one CTA per SM is 1 split, the grid 2 (merged in a
+  // cluster), so a row of more than 128 tokens takes both.
+  SplitWaves wide = decode_split_waves(false, 25, 4, 132, 2, 8);
+  wide.fill_grid = true;
+  ASSERT_EQ(splits_for_context(wide, 32768), 2);
+  EXPECT_EQ(row_splits_in_grid(wide, 1000, 2), 2);
+  EXPECT_EQ(row_splits_in_grid(wide, 128, 2), 1);
   // Everywhere: between 1 and the grid, never below the row's own count (capped by the grid),
   // never a split of fewer than min_tokens tokens beyond the own count's, and never fewer splits
   // for a longer context (so full_context still marks where rows take the whole grid).

@@ -283,6 +283,10 @@ SERVING_LENS = [0, 1, 40, 256, 700, 3000]
     # where it gives 8 (3000 tokens: 16 of 192) and an empty row beside it.
     ("turboquant_4bit_nc", 8, [16384]),
     ("turboquant_3bit_nc", 8, [3000, 0]),
+    # B = 25 at 4 KV heads: a grid of 2 splits merged in clusters, one CTA per SM being 1, so
+    # every row past 128 tokens takes both CTAs of its cluster.
+    ("turboquant_4bit_nc", 4, SERVING_LENS + [5000, 129, 127, 2048, 300, 16, 7000, 900, 64, 1100, 2, 4096, 650,
+                                              3333, 200, 1, 12000, 77, 510]),
 ])
 def test_decode_serving_block_tables(preset, heads, lens):
     """Block tables sized for 32k tokens, as a serving engine allocates them for its longest model
