@@ -2,7 +2,8 @@
 longest model length (32k tokens by default; the entries past a sequence's blocks are never read),
 as vLLM allocates them. The library sees only shapes, so its kernel choice and the grid's split
 count see the table's capacity, never the lengths (the per-head kernel then gives each sequence
-the splits of its own length on the device; the row kernel divides it over the whole grid): this
+the splits of its own length on the device, or the grid's where those would fill one CTA per SM of
+a grid sized for two; the row kernel divides it over the whole grid): this
 table shows what that costs at every length, for the default choice, for each plain-decode kernel
 forced (TURBOQUANT_DECODE_KERNEL, read once per process, hence one subprocess per kernel) and for the
 mixed decode (TURBOQUANT_MIXED_DECODE=on: where the row kernel takes the batch, its short sequences

@@ -20,9 +20,9 @@
 //     of the KV head the same offset mod 4), online softmax in the log2 domain; the query
 //     columns are rotated once per CTA, each by its warp's FWHT in registers, while the first
 //     tiles' copies are in flight (DecodeConfig::kQueryApart).
-// Where the library chose the split count, each CTA row takes as many of the grid's splits as its
-// own context calls for (DecodeParams::split_waves, row_splits_in_grid); CTAs of splits with no
-// tokens leave at once.
+// Where the library chose the split count, each CTA row takes its share of the grid's splits by
+// its own context (DecodeParams::split_waves, row_splits_in_grid); CTAs of splits with no tokens
+// leave at once.
 // Warps combine in shared memory; with several splits the two CTAs of a cluster (2 splits,
 // merge_cluster_splits) or the merge kernel (decode_merge.cu) combine the per-split results by
 // log-sum-exp. Measurements and what limits the kernel: benchmarks/RESULTS.md.
@@ -670,7 +670,7 @@ static int plan_per_head_splits(DecodeParams& p, int capacity) {
 }
 
 // Splits fill one wave with the CTAs that have work (the per-head kernel: one or two CTAs per SM
-// by its split waves, each row taking the share its own context calls for; the row kernel:
+// by its split waves, each row taking its share of them by its own context (row_splits_in_grid); the row kernel:
 // decode_num_splits; turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
 // alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
 // too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,

@@ -57,7 +57,8 @@ fi
 if has cta_placement; then  # standalone: where a grid's CTAs land, and what CTAs without work cost the busy ones
   mark_step cta_placement
   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/cta_placement_probe.cu -o "$OUT/cta_probe.bin" > "$OUT/cta_probe_build.log" 2>&1 \
-    && echo "== CTA placement probe" && timeout 120 "$OUT/cta_probe.bin" | tee "$OUT/cta_placement.md" || status=1
+    && echo "== CTA placement probe" && timeout 120 "$OUT/cta_probe.bin" | tee "$OUT/cta_placement.md" \
+    || { status=1; tail -20 "$OUT/cta_probe_build.log"; }
 fi
 if has diagnose; then
   mark_step diagnose

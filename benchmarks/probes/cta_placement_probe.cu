@@ -9,8 +9,10 @@
 // decode kernel took 18.1 us where a grid of exactly those 128 CTAs took 12.5 (H200, session 23,
 // decode_breakdown.py --table-tokens 32768). This probe launches grids of the same shape, 256
 // threads and the same shared memory per CTA, where busy CTAs run a fixed amount of work (ALU
-// only, or streaming reads) and the others exit, and prints the kernel's duration, how many SMs
-// the busy CTAs landed on, and how many of them shared an SM with another busy CTA.
+// only, or streaming reads that mostly hit the L2 after the first run) and the others exit, and
+// prints the kernel's duration (median of 20 runs) and, from the last run, how many SMs the busy
+// CTAs landed on and how many of them held two busy CTAs (every grid here fits one wave, so CTAs
+// on one SM ran side by side).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -98,21 +100,27 @@ int main() {
   std::vector<Case> cases;
   for (int mode : {0, 1}) {
     const int work = mode == 0 ? 20000 : 48;
+    cases.push_back({16, 128, 1, mode, work});
+    cases.push_back({33, 264, 1, mode, work / 2});
     for (int first : {1, 0}) {
-      cases.push_back({16, 128, 1, mode, work});
       cases.push_back({33, 128, first, mode, work});
-      cases.push_back({33, 264, 1, mode, work / 2});
       cases.push_back({33, 64, first, mode, work});
     }
   }
   for (const Case& c : cases) {
     const dim3 grid(8, 1, c.z);
     const int ctas = 8 * c.z;
+    if (ctas > sms * per_sm) {  // the per-SM counts below assume one wave
+      std::printf("grid of %d CTAs does not fit one wave of %d\n", ctas, sms * per_sm);
+      return 1;
+    }
+    CHECK(cudaMemset(records, 0, ctas * sizeof(Record)));
     std::vector<float> times;
     std::vector<Record> host(ctas);
     for (int rep = 0; rep < 21; ++rep) {
       CHECK(cudaEventRecord(e0));
       probe<<<grid, 256, smem>>>(records, c.busy, c.first, c.mode, c.work, data, sink);
+      CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       float ms = 0;

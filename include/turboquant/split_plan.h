@@ -21,8 +21,9 @@ TQ_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // H200, benchmarks/RESULTS.md). Never fewer tokens per split than min_tokens_per_split of the
 // largest context the block table can hold: a serving engine whose block tables cover its longest
 // model length gets the full wave of splits in the grid at every sequence length; the per-head
-// decode kernel then gives each sequence only the splits of its own length (splits_for_context),
-// the row and chunked kernels divide it over all of them (B = 1, 32k-token tables: 16 splits of
+// decode kernel then gives each sequence the splits of its own length, or the grid's where those
+// would leave it one CTA per SM of a grid sized for two (row_splits_in_grid), the row and chunked
+// kernels divide it over all of them (B = 1, 32k-token tables: 16 splits of
 // 16 tokens at L = 256, where 2 took 8.6 us and 16 9.7; RESULTS.md, session 19).
 TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas,
                             int min_tokens_per_split = kMinTokensPerSplit) {
@@ -65,10 +66,10 @@ TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
 // The split rule in two steps: what the shapes decide (SplitWaves, on the host) and what a
 // context length then decides (splits_for_context). The host applies it to the block table's
 // capacity to size the grid; the per-head decode kernel applies it again, on the device, to each
-// sequence's own length when the library chose the count (DecodeParams::split_waves), so a
-// serving engine's block tables, sized for its longest model length, no longer give a short
-// sequence the full wave of 16-token splits. Both give the same count for a table of exactly
-// the sequence's length.
+// sequence's own length when the library chose the count (DecodeParams::split_waves,
+// row_splits_in_grid), so a serving engine's block tables, sized for its longest model length, no
+// longer give a short sequence the full wave of 16-token splits (splits keep min_tokens). Both
+// give the same count for a table of exactly the sequence's length.
 struct SplitWaves {
   int one_per_sm = 1;  // splits that fill one CTA per SM, before the context's cap (at least 1)
   int two_per_sm = 0;  // ... two per SM; 0 where only one is considered (FP8 keys, one resident)
@@ -106,9 +107,12 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
 
 // How many of a grid of `grid_splits` splits a row of `context` tokens takes (the per-head decode
 // kernel, on the device, where the library chose the count): its own count (splits_for_context),
-// except where that fills one CTA per SM while the grid was sized for two per SM by a longer
-// capacity (a serving engine's block tables) and w.fill_grid is set: then the whole grid, capped
-// so each split keeps w.min_tokens. Why: the block scheduler does not give a grid's first CTAs
+// except where that fills one CTA per SM (w.one_per_sm) while the grid is larger, which the rule
+// gives only where a longer capacity (a serving engine's block tables) called for two per SM, and
+// w.fill_grid is set: then the whole grid, capped so each split keeps w.min_tokens. Per SM that
+// is never more work than before: at most two CTAs with half the tokens each where one CTA held
+// them all. Not measured where one_per_sm is clamped to 1 (67-132 CTAs per split, e.g. B = 17-33
+// at 4 KV heads: every row past 128 tokens takes both CTAs of a 2-split cluster). Why: the block scheduler does not give a grid's first CTAs
 // one SM each. In a grid of 8 x 33 CTAs at two per SM the first 128 in launch order landed on
 // 120 SMs, 8 of them holding two (benchmarks/probes/cta_placement_probe.cu, H200, session 23),
 // and a decode CTA nearly fills an SM alone, so those 8 SMs set the time: B = 1 with 32k-token

@@ -165,11 +165,15 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
   // never a split of fewer than min_tokens tokens beyond the own count's, and never fewer splits
   // for a longer context (so full_context still marks where rows take the whole grid).
   for (bool fp8_keys : {false, true}) {
-    for (int batch : {1, 2, 3, 4, 8, 17}) {
-      SplitWaves waves = decode_split_waves(fp8_keys, batch, 8, 132, 2, 8);
+    // 8 KV heads, and 1 (B = 1: a grid capped at kMaxPlannedSplits = 128 as decode.cu's planner
+    // caps it, below a long row's own count of 132)
+    const int shapes[][2] = {{1, 8}, {2, 8}, {3, 8}, {4, 8}, {8, 8}, {17, 8}, {1, 1}, {2, 1}, {4, 1}};
+    for (const auto& shape : shapes) {
+      const int batch = shape[0], heads = shape[1];
+      SplitWaves waves = decode_split_waves(fp8_keys, batch, heads, 132, 2, 8);
       waves.fill_grid = true;
       for (int capacity : {256, 4096, 32768, 131072}) {
-        const int grid_splits = splits_for_context(waves, capacity);
+        const int grid_splits = std::min(splits_for_context(waves, capacity), 128);
         int previous = 1;
         for (int context = 0; context <= capacity; context += 61) {
           const int splits = row_splits_in_grid(waves, context, grid_splits);
@@ -179,6 +183,11 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
           EXPECT_GE(splits, own_splits) << context << " tokens, batch " << batch;
           if (splits > own_splits) EXPECT_LE(splits, ceil_div(context, waves.min_tokens)) << context;
           EXPECT_GE(splits, previous) << context << " tokens, batch " << batch << ", capacity " << capacity;
+          // The device skips the rule from full_context on and takes the whole grid: the rule
+          // must give the grid there too.
+          if (context >= first_context_with_splits(waves, grid_splits, capacity)) {
+            EXPECT_EQ(splits, grid_splits) << context << " tokens, batch " << batch << ", capacity " << capacity;
+          }
           previous = splits;
         }
       }

@@ -291,9 +291,10 @@ SERVING_LENS = [0, 1, 40, 256, 700, 3000]
 def test_decode_serving_block_tables(preset, heads, lens):
     """Block tables sized for 32k tokens, as a serving engine allocates them for its longest model
     length: the library sizes the per-head kernel's grid by that capacity and each sequence takes
-    the splits of its own length (DecodeParams::split_waves), so the splits of a short sequence find
-    no tokens and their CTAs leave at once (with the cluster merge, the empty CTA of a pair still
-    merges). Every output element against the CPU, the output and the workspace poisoned first."""
+    the splits of its own length (DecodeParams::split_waves), or the grid's where those would fill
+    one CTA per SM of a grid sized for two (row_splits_in_grid), so the splits of a short sequence
+    find no tokens and their CTAs leave at once (with the cluster merge, the empty CTA of a pair
+    still merges). Every output element against the CPU, the output and the workspace poisoned first."""
     head_dim = 128
     cache, bt, sl, _, _ = make_paged_batch(lens, 16, heads, head_dim, preset, seed=heads + len(lens))
     q = torch.randn(len(lens), heads * 4, head_dim).half()
