@@ -663,8 +663,8 @@ constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the libra
 static int plan_per_head_splits(DecodeParams& p, int capacity) {
   SplitWaves w = per_head_split_waves(p);
   const int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
+  w.fill_grid = short_rows_fill_grid();  // before full_context, which depends on it
   w.full_context = first_context_with_splits(w, splits, capacity);
-  w.fill_grid = short_rows_fill_grid();
   p.split_waves = w;
   return splits;
 }

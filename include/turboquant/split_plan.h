@@ -131,16 +131,20 @@ TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) 
   return own < grid_splits ? own : grid_splits;
 }
 
-// The shortest context in [0, max_context] that the rule gives at least `num_splits` splits
-// (max_context + 1 if none does). The rule is monotone in the context for the per-head kernel's
-// waves (GTest), so every longer context takes the grid's whole count: the device skips the rule's
-// divisions there (DecodeParams::split_waves, SplitWaves::full_context). Host only (a binary search).
+// The shortest context in [0, max_context] that takes all of a grid of `num_splits` splits
+// (row_splits_in_grid; max_context + 1 if none does). The rule is monotone in the context for the
+// per-head kernel's waves (GTest), so every longer context takes the grid's whole count: the device
+// skips the rule's divisions there (DecodeParams::split_waves, SplitWaves::full_context). With
+// w.fill_grid that is from the capacity's one-per-SM count on (B = 1, 32k-token tables: 4097
+// tokens instead of 29568), so rows of 4k-29k tokens skip three dependent divisions before their
+// block ids load (about 0.3 us per short step where every row paid them, session 20). Host only
+// (a binary search).
 inline int first_context_with_splits(const SplitWaves& w, int num_splits, int max_context) {
-  if (splits_for_context(w, max_context) < num_splits) return max_context + 1;
+  if (row_splits_in_grid(w, max_context, num_splits) < num_splits) return max_context + 1;
   int lo = 0, hi = max_context;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
-    if (splits_for_context(w, mid) >= num_splits) {
+    if (row_splits_in_grid(w, mid, num_splits) >= num_splits) {
       hi = mid;
     } else {
       lo = mid + 1;

@@ -145,6 +145,9 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
   EXPECT_EQ(row_splits_in_grid(w, 256, grid), 2);
   EXPECT_EQ(row_splits_in_grid(w, 0, grid), 1);
   EXPECT_EQ(row_splits_in_grid(w, 16384, 16), 16) << "a table of exactly 16k tokens: the grid is its own count";
+  // The device skips the rule where rows take the whole grid: with fill_grid from 33 x 128 tokens
+  // on rather than from 7 tiles per warp (33 x 7 x 128).
+  EXPECT_EQ(first_context_with_splits(w, grid, 32768), 32 * 128 + 1);
   // Without fill_grid (TURBOQUANT_ROW_SPLITS=own) and for FP8 keys (one CTA per SM, no second
   // wave to fill): the row's own count.
   SplitWaves own = w;
