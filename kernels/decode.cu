@@ -123,23 +123,42 @@ struct SlotStaging {
   static constexpr bool kAlignedRows = kAlignedRows_;
 };
 
-template <class C, typename T>
-__global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kernel(const DecodeParams p, const float q_multiplier,
-                                                          const int head_chunks, const bool cluster_splits) {
+// kHalves = 2 (TURBOQUANT_CTA_HALVES=on, an experiment): a CTA of two halves, each one 8-warp
+// decode CTA as below with its own shared memory and named barrier, half h taking split
+// blockIdx.z + h * gridDim.z. One such CTA fits per SM, so a grid of at most one CTA per SM puts
+// every CTA on an SM of its own (the block scheduler doubles up two-per-SM grids' first CTAs,
+// row_splits_in_grid), and rows that take at most gridDim.z splits use first halves only.
+template <class C, typename T, int kHalves = 1>
+__global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / kHalves)
+    decode_kernel(const DecodeParams p, const float q_multiplier, const int head_chunks, const bool cluster_splits) {
   using namespace device;
   constexpr int D = C::D;
-  extern __shared__ __align__(16) uint8_t smem[];
+  static_assert(kHalves == 1 || kHalves == 2, "one CTA or two halves");
+  static_assert(C::kSmemBytes % 16 == 0, "each half's shared memory 16-byte aligned");
+  extern __shared__ __align__(16) uint8_t smem_of_cta[];
+  const int cta_half = kHalves == 1 ? 0 : static_cast<int>(threadIdx.x) / kThreads;
+  const int tid = kHalves == 1 ? static_cast<int>(threadIdx.x) : static_cast<int>(threadIdx.x) % kThreads;  // in the half
+  uint8_t* const smem = smem_of_cta + cta_half * C::kSmemBytes;
   uint8_t* scratch = smem;
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
+  // The barrier of this CTA's (or half's) kThreads threads: barrier 0 (__syncthreads) for a whole
+  // CTA, 1 + half for a half.
+  auto sync_threads = [&] {
+    if constexpr (kHalves == 1) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + cta_half), "n"(kThreads) : "memory");
+    }
+  };
 
-  const int lane = opaque<int>(threadIdx.x & 31), warp = opaque<int>(threadIdx.x >> 5);  // in registers (see decode_rows.cu)
+  const int lane = opaque<int>(tid & 31), warp = opaque<int>(tid >> 5);  // in registers (see decode_rows.cu)
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
   // In a mixed decode the row kernel, launched dependent on this one, may start its CTAs at once
   // (launch_decode_mixed): it needs nothing of this kernel's until it finishes.
   if (p.rows_from_context > 0) device::allow_dependent_grid_launch();
   const int kv_head = blockIdx.x / head_chunks;
   const int head_chunk = blockIdx.x % head_chunks;
-  const int split = blockIdx.z;
+  const int split = static_cast<int>(blockIdx.z) + cta_half * static_cast<int>(gridDim.z);
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int head0 = kv_head * group + head_chunk * kHeads;
   const int num_heads = min(kHeads, group - head_chunk * kHeads);  // heads of each query token
@@ -162,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   using Staging = QueryStaging<D, kHeads, kThreads>;
   static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
   T q_raw[Staging::kBatch][Staging::kPerLane];
-  Staging::load(q_raw, static_cast<const T*>(p.query), columns, 0);
+  Staging::load(q_raw, static_cast<const T*>(p.query), columns, 0, tid);
   const int raw_seq_len = p.seq_lens[b];
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
@@ -187,14 +206,14 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // for its rows (split s writes s + num_splits, s + 2 num_splits, ...), so the merge weighs them 0.
   // Read from the kernel's parameters at each use, not held in a register across the tile loop.
   const int partials = p.partial_stride;
-  if (partials > p.num_splits && static_cast<int>(threadIdx.x) < num_columns) {
-    mark_partials_empty(p.partial_lse + out_row(threadIdx.x) * partials, split, p.num_splits, partials);
+  if (partials > p.num_splits && tid < num_columns) {
+    mark_partials_empty(p.partial_lse + out_row(tid) * partials, split, p.num_splits, partials);
   }
   if (range.begin >= range.end && partials > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
-    if (static_cast<int>(threadIdx.x) < num_columns) {
-      p.partial_lse[out_row(threadIdx.x) * partials + split] = -INFINITY;
+    if (tid < num_columns) {
+      p.partial_lse[out_row(tid) * partials + split] = -INFINITY;
     }
     return;
   }
@@ -348,11 +367,11 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
     // (kQueryApart).
     uint32_t qf[C::kKSteps][2];
     auto stage_query = [&] {
-      Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
-      if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
-      __syncthreads();
+      Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0, tid);
+      if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook, tid);
+      sync_threads();
       device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
-      if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
+      if constexpr (!C::kQueryApart) sync_threads();  // the ring reuses qs
     };
     if constexpr (!C::kQueryApart) stage_query();
     tile_bases = tile_base(0, first_block_id);
@@ -426,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
   // ---- combine the warps
   sum_over_column_lanes(st.l);
   sum_over_column_lanes(st.z);
-  __syncthreads();  // every warp is done with the ring
+  sync_threads();  // every warp is done with the ring
   float* merge = reinterpret_cast<float*>(scratch);  // [kWarps][kHeads][D + 3]: acc, m, l, z
   constexpr int kRow = D + 3;
   float* mine = merge + warp * kHeads * kRow;
@@ -448,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters) decode_kerne
       mine[(2 * c + k) * kRow + D + 2] = st.z[k];
     }
   }
-  __syncthreads();
+  sync_threads();
   // Warp w combines column w (and w + kWarps, ...; a decode at GQA 4 has 4): the warps' weights
   // once per column, then D / 32 dims per lane. (One element per thread and iteration recomputed
   // the 8 weights and divided for every element: two 226-instruction iterations per thread at GQA 4,
@@ -511,9 +530,25 @@ int query_chunks_of(const DecodeParams& p) {
 }
 
 // Once per instantiation and device: the shared memory opt-in and the resident CTAs.
-template <class C, typename T>
+template <class C, typename T, int kHalves = 1>
 KernelResidency prepare_decode_kernel() {
-  return opt_in_kernel<decode_kernel<C, T>>(kThreads, C::kSmemBytes);
+  return opt_in_kernel<decode_kernel<C, T, kHalves>>(kThreads * kHalves, C::kSmemBytes * kHalves);
+}
+
+// Configurations with CTAs of two halves (decode_kernel's kHalves): Lloyd-Max keys (FP8 keys
+// already keep one CTA per SM) up to D = 128 (D = 256 spills at 128 registers already) whose two
+// halves' shared memory fits one CTA of the oldest architecture built for. Only these are
+// instantiated.
+template <class C>
+constexpr bool decode_halves_supported() {
+  return !C::kFp8Key && C::D <= 128 && 2 * C::kSmemBytes <= SmemBudget::kPerCta;
+}
+
+// Whether TURBOQUANT_CTA_HALVES=on asks for CTAs of two halves where the split rule fills two CTAs
+// per SM (read once per process; off, the default: an experiment not yet run on a GPU).
+static bool cta_halves_requested() {
+  static const int choice = env_kernel_choice("TURBOQUANT_CTA_HALVES", "off", "on");
+  return choice == 2;
 }
 
 // Whether the per-head kernel may merge kClusterSplits splits inside a cluster rather than with
@@ -528,7 +563,7 @@ static bool merge_splits_in_cluster() {
 // and the workspace query (single_kernel_uses_split_workspace) ask this one question.
 template <class C, typename T>
 bool merges_in_cluster(const DecodeParams& p) {
-  return p.num_splits == kClusterSplits && p.partial_stride == 0 && merge_splits_in_cluster() &&
+  return p.num_splits == kClusterSplits && p.partial_stride == 0 && p.cta_halves == 1 && merge_splits_in_cluster() &&
          prepare_decode_kernel<C, T>().status == cudaSuccess &&
          cluster_launch_fits<decode_kernel<C, T>, kClusterSplits>(kThreads, C::kSmemBytes);
 }
@@ -550,6 +585,20 @@ struct LaunchDecode {
     const dim3 grid(p.cache.num_kv_heads * head_chunks, query_chunks_of(p), p.num_splits);
     DecodeParams launched = p;
     if (launched.partial_stride == 0) launched.partial_stride = p.num_splits;  // not a mixed decode's: its own splits
+    if (p.cta_halves == 2) {  // CTAs of two halves (choose_decode_splits): each half one split
+      if constexpr (decode_halves_supported<C>()) {
+        err = prepare_decode_kernel<C, T, 2>().status;
+        if (err != cudaSuccess) return err;
+        const dim3 halves_grid(grid.x, grid.y, p.num_splits / 2);
+        decode_kernel<C, T, 2><<<halves_grid, 2 * kThreads, 2 * C::kSmemBytes, stream>>>(launched, q_multiplier,
+                                                                                       head_chunks, false);
+        err = cudaGetLastError();
+        if (err != cudaSuccess || p.partial_stride > 0) return err;
+        return launch_decode_merge(p, stream);
+      } else {
+        return cudaErrorInvalidValue;  // the planner asks for halves only where supported
+      }
+    }
     if (merges_in_cluster<C, T>(p)) {
       // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
       cudaLaunchConfig_t config = {};
@@ -587,6 +636,20 @@ struct ResidentCtas {
   cudaError_t run() const {
     const int n = prepare_decode_kernel<C, T>().per_sm;
     *per_sm = n > 0 ? n : 1;
+    return cudaSuccess;
+  }
+};
+
+// Whether this configuration has CTAs of two halves and they launch here (their opt-in succeeds).
+struct HalvesAvailable {
+  bool* available;
+  template <class C, typename T>
+  cudaError_t run() const {
+    if constexpr (decode_halves_supported<C>()) {
+      *available = prepare_decode_kernel<C, T, 2>().per_sm >= 1;
+    } else {
+      *available = false;
+    }
     return cudaSuccess;
   }
 };
@@ -659,12 +722,23 @@ static bool short_rows_fill_grid() {
 constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
 
 // The per-head kernel's plan for contexts up to `capacity` tokens: the grid's splits, and each
-// row's share of them by its own context (p.split_waves). Returns the grid's count.
-static int plan_per_head_splits(DecodeParams& p, int capacity) {
+// row's share of them by its own context (p.split_waves). Returns the grid's count. With
+// `allow_halves` and TURBOQUANT_CTA_HALVES=on, where the rule fills two CTAs per SM the grid
+// becomes CTAs of two halves (p.cta_halves, halves_grid_splits), one CTA per SM at most.
+static int plan_per_head_splits(DecodeParams& p, int capacity, bool allow_halves) {
   SplitWaves w = per_head_split_waves(p);
-  const int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
-  w.fill_grid = short_rows_fill_grid();  // before full_context, which depends on it
-  w.full_context = first_context_with_splits(w, splits, capacity);
+  int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
+  const int halved = allow_halves && cta_halves_requested() ? halves_grid_splits(w, splits) : 0;
+  bool available = false;
+  if (halved > 0) visit_decode_config(p, HalvesAvailable{&available});
+  if (available) {
+    splits = halved;
+    p.cta_halves = 2;
+    w.fill_grid = false;  // one CTA per SM: no first CTAs doubled up to spread over the grid
+  } else {
+    w.fill_grid = short_rows_fill_grid();
+  }
+  w.full_context = first_context_with_splits(w, splits, capacity);  // after fill_grid, which it depends on
   p.split_waves = w;
   return splits;
 }
@@ -679,6 +753,7 @@ void choose_decode_splits(DecodeParams& p) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
+  p.cta_halves = 1;
   if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
     p.num_splits =
@@ -699,11 +774,11 @@ void choose_decode_splits(DecodeParams& p) {
     // each row's splits planned as for a table of rows_from_context - 1 tokens.
     const int from = mixed_decode_rows_from(p);
     if (from > 0) {
-      p.head_splits = plan_per_head_splits(p, from - 1);
+      p.head_splits = plan_per_head_splits(p, from - 1, false);
       p.rows_from_context = from;
     }
   } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
-    p.num_splits = plan_per_head_splits(p, max_context);
+    p.num_splits = plan_per_head_splits(p, max_context, true);
   }
 }
 

@@ -69,6 +69,9 @@ struct DecodeParams {
   // their counts; each writes -inf log-sum-exps past its own for its rows); 0: the kernel's own
   // (the per-head kernel's launcher then sets it to num_splits, which its kernel reads).
   int partial_stride = 0;
+  // 2: the per-head kernel runs CTAs of two halves (TURBOQUANT_CTA_HALVES=on, an experiment; set
+  // by choose_decode_splits): a grid of num_splits / 2 CTAs, at most one per SM. 1: plain CTAs.
+  int cta_halves = 1;
   // Workspace for num_splits > 1, sized for num_splits partials per row; a kernel may write fewer
   // (the row kernel: one per CTA, its two splits folded) and merge that many, at that stride.
   float* partial_out = nullptr;  // [query_rows, num_q_heads, partials, head_dim]

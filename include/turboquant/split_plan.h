@@ -131,6 +131,17 @@ TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) 
   return own < grid_splits ? own : grid_splits;
 }
 
+// The splits of a per-head grid of CTAs of two halves (kernels/decode.cu, TURBOQUANT_CTA_HALVES,
+// an experiment) in place of `splits` planned ones: where those fill two CTAs per SM (more than
+// w.one_per_sm), twice as many CTAs as fit one per SM at most; 0 where one CTA per SM serves
+// already. B = 1 at 8 KV heads: 33 -> 32 (16 CTAs of two halves per head). A row whose own count
+// is at most one_per_sm then takes first halves only, each on an SM of its own.
+TQ_HD int halves_grid_splits(const SplitWaves& w, int splits) {
+  if (splits <= w.one_per_sm) return 0;
+  const int ctas = ceil_div(splits, 2);
+  return 2 * (ctas < w.one_per_sm ? ctas : w.one_per_sm);
+}
+
 // The shortest context in [0, max_context] that takes all of a grid of `num_splits` splits
 // (row_splits_in_grid; max_context + 1 if none does). The rule is monotone in the context for the
 // per-head kernel's waves (GTest), so every longer context takes the grid's whole count: the device

@@ -1,0 +1,69 @@
+"""The per-head decode kernel's CTAs of two halves (TURBOQUANT_CTA_HALVES=on, an experiment;
+kernels/decode.cu): where the split rule fills two CTAs per SM, a grid of at most one CTA per SM,
+each CTA's two 8-warp halves taking a split each, so no SM gets two CTAs of the grid's first ones
+(the block scheduler's doubling, turboquant/split_plan.h row_splits_in_grid). Off by default:
+these tests check which instantiation a decode launches with the switch off and on, and rerun the
+CUDA decode tests against the CPU under it."""
+
+import os
+import re
+
+import pytest
+import torch
+
+import turboquant as tq
+from conftest import requires_cuda
+from helpers import make_paged_batch, rerun_tests_with, serving_table
+
+pytestmark = requires_cuda
+
+HALVES = os.environ.get("TURBOQUANT_CTA_HALVES") == "on"
+CUDA_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_cuda.py")
+
+
+def _per_head_instances(args, preset, splits):
+    """The kHalves template argument of each per-head decode kernel one decode launched, from a
+    profiler trace (demangled or mangled kernel names)."""
+    from torch.profiler import ProfilerActivity, profile
+    tq.decode(*args, preset, 0.1, splits)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tq.decode(*args, preset, 0.1, splits)
+        torch.cuda.synchronize()
+    halves = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not ("decode_kernel<" in e.name or "13decode_kernelI" in e.name):
+            continue
+        m = re.search(r",\s*(\d)>\s*\(", e.name) or re.search(r"Li(\d)EEEvNS", e.name)
+        assert m, e.name
+        halves.append(int(m.group(1)))
+    return halves
+
+
+def test_cta_halves_run_where_the_rule_fills_two_ctas_per_sm():
+    """B = 1 at 8 KV heads over a 32k-token table: 33 splits, two CTAs per SM (on GPUs of up to 147
+    SMs) -> with the switch, the two-half kernel (16 CTAs of 2 splits per head). A table of the
+    sequence's own 3000 tokens (16 splits, one per SM), a split count the caller gives and FP8 keys
+    (one CTA per SM by rule) keep the plain kernel either way."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if 32768 // ((2 * sms // 8) * 128) < 7:
+        pytest.skip(f"{sms} SMs: 32k tokens do not fill two CTAs per SM at B = 1")
+    for preset, expect in (("turboquant_4bit_nc", 2 if HALVES else 1), ("turboquant_k8v4", 1)):
+        cache, bt, sl, _, _ = make_paged_batch([3000], 16, 8, 128, preset, seed=3)
+        q = torch.randn(1, 32, 128).half()
+        wide = [t.cuda() for t in (q, cache, serving_table(bt, cache), sl)]
+        exact = [t.cuda() for t in (q, cache, bt, sl)]
+        assert _per_head_instances(wide, preset, 0) == [expect], preset
+        assert _per_head_instances(exact, preset, 0) == [1], preset
+        assert _per_head_instances(wide, preset, 8) == [1], preset
+
+
+def test_decode_tests_pass_with_cta_halves():
+    """test_cuda.py's decode tests against the CPU (every preset, head dim and group at the library's
+    split count, serving tables with rows of 0-16k tokens, B = 25 with one CTA of two halves per row
+    and head, varlen, graph capture), and the test above, with TURBOQUANT_CTA_HALVES=on."""
+    rerun_tests_with(CUDA_TESTS, {"TURBOQUANT_CTA_HALVES": "on"},
+                     "(serving_block_tables or decode_matches_cpu or graph_capture or merges_many) and not own_row_splits")
+    rerun_tests_with(os.path.abspath(__file__), {"TURBOQUANT_CTA_HALVES": "on"}, "run_where")
