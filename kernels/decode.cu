@@ -586,6 +586,8 @@ struct LaunchDecode {
     DecodeParams launched = p;
     if (launched.partial_stride == 0) launched.partial_stride = p.num_splits;  // not a mixed decode's: its own splits
     if (p.cta_halves == 2) {  // CTAs of two halves (choose_decode_splits): each half one split
+      // Only as the planner sets it: an even count, never a mixed decode's part.
+      if (p.num_splits % 2 != 0 || p.partial_stride > 0 || p.rows_from_context > 0) return cudaErrorInvalidValue;
       if constexpr (decode_halves_supported<C>()) {
         err = prepare_decode_kernel<C, T, 2>().status;
         if (err != cudaSuccess) return err;
@@ -646,7 +648,7 @@ struct HalvesAvailable {
   template <class C, typename T>
   cudaError_t run() const {
     if constexpr (decode_halves_supported<C>()) {
-      *available = prepare_decode_kernel<C, T, 2>().per_sm >= 1;
+      *available = prepare_decode_kernel<C, T, 2>().per_sm == 1;  // exactly one per SM, as planned
     } else {
       *available = false;
     }

@@ -44,6 +44,7 @@ KernelResidency opt_in_kernel(int threads, int smem_bytes) {
   int n = cached[device].load(std::memory_order_relaxed);
   if (n == 0) {  // two threads may both ask: they store the same answer
     const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (status != cudaSuccess) cudaGetLastError();  // reported through the result, not to the next launch's check
     n = status == cudaSuccess ? resident_ctas_per_sm(Kernel, threads, smem_bytes) : -static_cast<int>(status);
     cached[device].store(n, std::memory_order_relaxed);
   }

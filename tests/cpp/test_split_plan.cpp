@@ -203,6 +203,10 @@ TEST(SplitPlan, CtasOfTwoHalvesKeepOnePerSm) {
   // (128 of 132 SMs) of 2 splits each.
   const SplitWaves w = decode_split_waves(false, 1, 8, 132, 2, 8);
   EXPECT_EQ(halves_grid_splits(w, 33), 32);
+  // Rows take the halved grid whole from 7 tiles per warp at 33 splits on, as the plain grid's
+  // (fill_grid off: one CTA per SM leaves nothing to double up).
+  EXPECT_EQ(first_context_with_splits(w, 32, 32768), 33 * 7 * 128);
+  EXPECT_EQ(row_splits_in_grid(w, 29000, 32), 16) << "first halves only";
   EXPECT_EQ(halves_grid_splits(w, 16), 0) << "one CTA per SM already";
   EXPECT_EQ(halves_grid_splits(w, 2), 0);
   // B = 3: one per SM is 5 splits, two per SM 11 -> 5 CTAs of two.

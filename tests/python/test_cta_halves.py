@@ -13,7 +13,8 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, rerun_tests_with, serving_table
+from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with, serving_table
+from reference import rel_err
 
 pytestmark = requires_cuda
 
@@ -60,10 +61,52 @@ def test_cta_halves_run_where_the_rule_fills_two_ctas_per_sm():
         assert _per_head_instances(wide, preset, 8) == [1], preset
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("lens", [[30000], [3000], [0]])
+def test_decode_long_tables_match_cpu(preset, head_dim, lens):
+    """B = 1 at 8 KV heads over a 32k-token table, every element against the CPU with the output and
+    workspace poisoned: 30000 tokens take the whole grid (with the switch: both halves of every
+    CTA), 3000 one CTA per SM's worth (first halves only), 0 none."""
+    cache, bt, sl, _, _ = make_paged_batch(lens, 16, 8, head_dim, preset, seed=len(lens) + head_dim)
+    q = torch.randn(1, 32, head_dim).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
+    out = poisoned_cuda_decode(q, cache, serving_table(bt, cache), sl, preset, head_dim ** -0.5, 0, workspace=True)
+    assert not out.isnan().any()
+    if lens[0] == 0:
+        assert (out == 0).all()
+    else:
+        assert rel_err(out, ref) <= 2e-3
+
+
+def test_graph_replay_across_the_halves():
+    """One captured decode over a 32k-token table replayed as the sequence grows from first halves
+    only to both halves and back to empty, each replay against the CPU."""
+    preset, head_dim = "turboquant_4bit_nc", 128
+    cache, bt, _, _, _ = make_paged_batch([30000], 16, 8, head_dim, preset, seed=5)
+    table = serving_table(bt, cache)
+    q = torch.randn(1, 32, head_dim).half()
+    dev_q, dev_cache, dev_table = q.cuda(), cache.cuda(), table.cuda()
+    dev_lens = torch.tensor([3000], dtype=torch.int32, device="cuda")
+    graph, out = captured_decode(dev_q, dev_cache, dev_table, dev_lens, preset, head_dim ** -0.5)
+    for length in (3000, 30000, 1, 0, 12000):
+        dev_lens.fill_(length)
+        graph.replay()
+        torch.cuda.synchronize()
+        lens = torch.tensor([length], dtype=torch.int32)
+        ref = tq.decode(q.float(), cache, table, lens, preset, head_dim ** -0.5, 1)
+        got = out.cpu()
+        if length == 0:
+            assert (got == 0).all()
+        else:
+            assert rel_err(got, ref) <= 2e-3, length
+
+
 def test_decode_tests_pass_with_cta_halves():
-    """test_cuda.py's decode tests against the CPU (every preset, head dim and group at the library's
-    split count, serving tables with rows of 0-16k tokens, B = 25 with one CTA of two halves per row
-    and head, varlen, graph capture), and the test above, with TURBOQUANT_CTA_HALVES=on."""
+    """With TURBOQUANT_CTA_HALVES=on: test_cuda.py's serving-table tests (rows of 0-16k tokens at 2-8
+    KV heads, B = 25 with one CTA of two halves per row and head, varlen; the other selected tests
+    take tables too short for two CTAs per SM, so the plain kernel, which must be unaffected) and
+    this file's tests (D = 64 and 128, both halves and first halves only, graph replay)."""
     rerun_tests_with(CUDA_TESTS, {"TURBOQUANT_CTA_HALVES": "on"},
                      "(serving_block_tables or decode_matches_cpu or graph_capture or merges_many) and not own_row_splits")
-    rerun_tests_with(os.path.abspath(__file__), {"TURBOQUANT_CTA_HALVES": "on"}, "run_where")
+    rerun_tests_with(os.path.abspath(__file__), {"TURBOQUANT_CTA_HALVES": "on"}, "not tests_pass_with_cta_halves")
