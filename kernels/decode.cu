@@ -586,22 +586,19 @@ struct LaunchDecode {
     DecodeParams launched = p;
     if (launched.partial_stride == 0) launched.partial_stride = p.num_splits;  // not a mixed decode's: its own splits
     if (p.cta_halves == 2) {  // CTAs of two halves (choose_decode_splits): each half one split
-      // Only as the planner sets it: an even count, never a mixed decode's part.
-      if (p.num_splits % 2 != 0 || p.partial_stride > 0 || p.rows_from_context > 0) return cudaErrorInvalidValue;
+      // Only as the planner sets it: an even count, never a mixed decode's part, configurations
+      // that have the two-half kernel.
       if constexpr (decode_halves_supported<C>()) {
+        if (p.num_splits % 2 != 0 || p.partial_stride > 0 || p.rows_from_context > 0) return cudaErrorInvalidValue;
         err = prepare_decode_kernel<C, T, 2>().status;
         if (err != cudaSuccess) return err;
         const dim3 halves_grid(grid.x, grid.y, p.num_splits / 2);
         decode_kernel<C, T, 2><<<halves_grid, 2 * kThreads, 2 * C::kSmemBytes, stream>>>(launched, q_multiplier,
                                                                                        head_chunks, false);
-        err = cudaGetLastError();
-        if (err != cudaSuccess || p.partial_stride > 0) return err;
-        return launch_decode_merge(p, stream);
       } else {
-        return cudaErrorInvalidValue;  // the planner asks for halves only where supported
+        return cudaErrorInvalidValue;
       }
-    }
-    if (merges_in_cluster<C, T>(p)) {
+    } else if (merges_in_cluster<C, T>(p)) {
       // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
       cudaLaunchConfig_t config = {};
       config.gridDim = grid;
@@ -612,8 +609,9 @@ struct LaunchDecode {
       config.attrs = &cluster;
       config.numAttrs = 1;
       return cudaLaunchKernelEx(&config, decode_kernel<C, T>, launched, q_multiplier, head_chunks, true);
+    } else {
+      decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(launched, q_multiplier, head_chunks, false);
     }
-    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(launched, q_multiplier, head_chunks, false);
     err = cudaGetLastError();
     // A mixed decode's per-head part (partial_stride set): launch_decode_mixed merges.
     if (err != cudaSuccess || p.num_splits == 1 || p.partial_stride > 0) return err;
@@ -812,7 +810,7 @@ int decode_workspace_splits(const DecodeParams& p) {
 // kernel for the long ones, launched dependent so that its CTAs start while the per-head kernel's
 // run (the per-head kernel allows it at once; each kernel leaves the other's sequences at once),
 // then one merge of both kernels' partials at one stride. The row kernel completes only after the
-// per-head kernel (its first CTA and every CTA with work wait for it before they finish), so the
+// per-head kernel (its first CTA waits for it before it finishes; decode_rows.cu), so the
 // merge, dependent on the row kernel, sees both kernels' results.
 static cudaError_t launch_decode_mixed(const DecodeParams& p, cudaStream_t stream) {
   const int stride = mixed_partial_stride(p);

@@ -94,10 +94,15 @@ TQ_HD SplitWaves decode_split_waves(bool fp8_keys, int batch, int ctas_per_split
   return w;
 }
 
+// The most splits a context of `context` tokens takes: each keeps w.min_tokens (at least 1).
+TQ_HD int context_split_cap(const SplitWaves& w, int context) {
+  return ceil_div(context > 0 ? context : 1, w.min_tokens);
+}
+
 // Splits for a context of `context` tokens (at least 1): the wave's count capped so each split
 // keeps w.min_tokens, and two CTAs per SM only where each warp keeps min_tiles_two_per_sm tiles.
 TQ_HD int splits_for_context(const SplitWaves& w, int context) {
-  const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
+  const int cap = context_split_cap(w, context);
   const int one = w.one_per_sm < cap ? w.one_per_sm : cap;
   if (w.two_per_sm == 0) return one;
   const int filled = w.two_per_sm < cap ? w.two_per_sm : cap;  // two_per_sm >= 1 here
@@ -125,7 +130,7 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
 TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) {
   const int own = splits_for_context(w, context);
   if (w.fill_grid && own >= w.one_per_sm && grid_splits > own) {
-    const int cap = ceil_div(context > 0 ? context : 1, w.min_tokens);
+    const int cap = context_split_cap(w, context);
     return grid_splits < cap ? grid_splits : cap;
   }
   return own < grid_splits ? own : grid_splits;

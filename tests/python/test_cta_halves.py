@@ -13,7 +13,8 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with, serving_table
+from helpers import (captured_decode, make_paged_batch, poisoned_cuda_decode, profiled_kernel_names, rerun_tests_with,
+                     serving_table)
 from reference import rel_err
 
 pytestmark = requires_cuda
@@ -25,20 +26,12 @@ CUDA_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_cuda
 def _per_head_instances(args, preset, splits):
     """The kHalves template argument of each per-head decode kernel one decode launched, from a
     profiler trace (demangled or mangled kernel names)."""
-    from torch.profiler import ProfilerActivity, profile
-    tq.decode(*args, preset, 0.1, splits)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tq.decode(*args, preset, 0.1, splits)
-        torch.cuda.synchronize()
     halves = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+    for name in profiled_kernel_names(args, preset, splits):
+        if not ("decode_kernel<" in name or "13decode_kernelI" in name):
             continue
-        if not ("decode_kernel<" in e.name or "13decode_kernelI" in e.name):
-            continue
-        m = re.search(r",\s*(\d)>\s*\(", e.name) or re.search(r"Li(\d)EEEvNS", e.name)
-        assert m, e.name
+        m = re.search(r",\s*(\d)>\s*\(", name) or re.search(r"Li(\d)EEEvNS", name)
+        assert m, name
         halves.append(int(m.group(1)))
     return halves
 

@@ -15,7 +15,8 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with, serving_table
+from helpers import (captured_decode, make_paged_batch, poisoned_cuda_decode, profiled_kernel_names, rerun_tests_with,
+                     serving_table)
 from reference import rel_err
 
 # The row kernel (bulk copies, mbarriers) runs on sm_90 and newer only: elsewhere there is nothing to mix.
@@ -77,13 +78,7 @@ def test_mixed_decode_graph_replay_moves_sequences_between_kernels():
 
 def _kernels_of_one_decode(args, preset, splits):
     """(per-head, row, merge) kernel launches of one decode, from a profiler trace."""
-    from torch.profiler import ProfilerActivity, profile
-    tq.decode(*args, preset, 0.1, splits)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tq.decode(*args, preset, 0.1, splits)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = profiled_kernel_names(args, preset, splits)
     return tuple(sum(k in n for n in names) for k in ("decode_kernel", "decode_rows_kernel", "merge_splits_kernel"))
 
 
