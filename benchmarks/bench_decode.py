@@ -61,6 +61,10 @@ SHAPES = {  # (B, Hq, Hkv, L)
     # first in a grid of 33: these lengths tell whether that range pays too.
     "serving_mid": [(1, 32, 8, 1536), (1, 32, 8, 2048), (1, 32, 8, 3072), (1, 32, 8, 8192), (2, 32, 8, 2048),
                     (2, 32, 8, 8192)],
+    # Batches of 3-8 with a serving engine's 32k-token tables take the row kernel by their shapes, which
+    # took 12-18 us at 256-1k tokens where the per-head kernel took 9.7-15 (session 23-24): where its time goes,
+    # `TURBOQUANT_DECODE_KERNEL=rows BREAKDOWN_ARGS="--shapes serving_rows --table-tokens 32768" gpu_run.sh breakdown`.
+    "serving_rows": [(3, 32, 8, 256), (3, 32, 8, 1024), (8, 32, 8, 256), (8, 32, 8, 1024), (8, 32, 8, 4096)],
     "fill": [(1, 32, 8, 4096), (2, 32, 8, 4096), (4, 32, 8, 4096), (8, 32, 8, 4096), (4, 32, 8, 2048),
              (8, 32, 8, 2048), (16, 32, 8, 2048), (2, 32, 8, 16384)],
 }
