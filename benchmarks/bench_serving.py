@@ -5,10 +5,8 @@ count see the table's capacity, never the lengths (the per-head kernel then give
 the splits of its own length on the device, or the grid's where those would fill one CTA per SM of
 a grid sized for two; the row kernel divides it over the whole grid): this
 table shows what that costs at every length, for the default choice, for each plain-decode kernel
-forced (TURBOQUANT_DECODE_KERNEL, read once per process, hence one subprocess per kernel) and for the
-mixed decode (TURBOQUANT_MIXED_DECODE=on: where the row kernel takes the batch, its short sequences
-take the per-head kernel, chosen on the device), next to SDPA bf16 over a dense cache of the same
-length. A second table times batches of mixed lengths (no SDPA: a dense cache would pad every
+forced (TURBOQUANT_DECODE_KERNEL, read once per process, hence one subprocess per kernel), next to
+SDPA bf16 over a dense cache of the same length. A second table times batches of mixed lengths (no SDPA: a dense cache would pad every
 sequence to the longest).
 
     python benchmarks/bench_serving.py [--table-tokens 32768] [--out results.md]
@@ -37,9 +35,8 @@ BATCHES = [1, 2, 3, 4, 8]  # 3: the first batch the row kernel takes at 8 KV hea
 LENGTHS = [256, 1024, 4096, 16384, 32768]
 HQ, HKV = 32, 8
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
-KERNELS = ["default", "heads", "rows", "mixed"]
-KERNEL_ENV = {"heads": ("TURBOQUANT_DECODE_KERNEL", "heads"), "rows": ("TURBOQUANT_DECODE_KERNEL", "rows"),
-              "mixed": ("TURBOQUANT_MIXED_DECODE", "on")}
+KERNELS = ["default", "heads", "rows"]
+KERNEL_ENV = {"heads": ("TURBOQUANT_DECODE_KERNEL", "heads"), "rows": ("TURBOQUANT_DECODE_KERNEL", "rows")}
 # Batches of mixed lengths (a serving engine's decode batch): short and long sequences side by side.
 MIXED_BATCHES = [[256, 32768, 1024, 16384], [256, 1024, 4096, 16384, 512, 2048, 8192, 32768],
                  [1024] * 7 + [32768], [512, 512, 512, 512, 16384, 16384, 16384, 16384]]
@@ -85,7 +82,6 @@ def main():
     for kernel in KERNELS:
         env = dict(os.environ)
         env.pop("TURBOQUANT_DECODE_KERNEL", None)
-        env.pop("TURBOQUANT_MIXED_DECODE", None)
         if kernel != "default":
             env[KERNEL_ENV[kernel][0]] = KERNEL_ENV[kernel][1]
         print(f"timing the {kernel} kernel choice ...", flush=True)
@@ -97,26 +93,26 @@ def main():
     lines = [f"Decode with block tables of {a.table_tokens} tokens (a serving engine's), D={HEAD_DIM}, Hq {HQ}, "
              f"Hkv {HKV}, block size 16, {torch.cuda.get_device_name()}, graph replay, us; speed-up of the default "
              "over SDPA bf16 (dense cache of L)", "",
-             "| B | L | SDPA bf16 | preset | default | per-head forced | row forced | mixed | default vs SDPA | mixed vs SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | L | SDPA bf16 | preset | default | per-head forced | row forced | default vs SDPA |",
+             "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for b in BATCHES:
         for length in LENGTHS:
             sdpa, backend = sdpa_best_us(b, HQ, HKV, length, graphed=True)[2:4]
             for preset in PRESETS:
                 key = f"{b},{length},{preset}"
-                d, h, r, m = (times[k][key] for k in KERNELS)
+                d, h, r = (times[k][key] for k in KERNELS)
                 row = (f"| {b} | {length} | {sdpa:.1f} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
-                       f"{r:.1f} | {m:.1f} | {sdpa / d:.2f}x | {sdpa / m:.2f}x |")
+                       f"{r:.1f} | {sdpa / d:.2f}x |")
                 lines.append(row)
                 print(row, flush=True)
     mixed = ["", "Batches of mixed lengths, the same tables, us", "",
-             "| lengths | preset | default | per-head forced | row forced | mixed |", "|---|---|---|---|---|---|"]
+             "| lengths | preset | default | per-head forced | row forced |", "|---|---|---|---|---|"]
     for lens in MIXED_BATCHES:
         for preset in PRESETS:
-            d, h, r, m = (times[k][f"mixed {lens},{preset}"] for k in KERNELS)
+            d, h, r = (times[k][f"mixed {lens},{preset}"] for k in KERNELS)
             mixed.append(f"| {' '.join(str(n) for n in lens)} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
-                         f"{r:.1f} | {m:.1f} |")
+                         f"{r:.1f} |")
     print("\n".join(mixed), flush=True)
     append_markdown(a.out, lines + mixed)
 

@@ -123,42 +123,21 @@ struct SlotStaging {
   static constexpr bool kAlignedRows = kAlignedRows_;
 };
 
-// kHalves = 2 (TURBOQUANT_CTA_HALVES=on, an experiment): a CTA of two halves, each one 8-warp
-// decode CTA as below with its own shared memory and named barrier, half h taking split
-// blockIdx.z + h * gridDim.z. One such CTA fits per SM, so a grid of at most one CTA per SM puts
-// every CTA on an SM of its own (the block scheduler doubles up two-per-SM grids' first CTAs,
-// row_splits_in_grid), and rows that take at most gridDim.z splits use first halves only.
-template <class C, typename T, int kHalves = 1>
-__global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / kHalves)
+template <class C, typename T>
+__global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     decode_kernel(const DecodeParams p, const float q_multiplier, const int head_chunks, const bool cluster_splits) {
   using namespace device;
   constexpr int D = C::D;
-  static_assert(kHalves == 1 || kHalves == 2, "one CTA or two halves");
-  static_assert(C::kSmemBytes % 16 == 0, "each half's shared memory 16-byte aligned");
-  extern __shared__ __align__(16) uint8_t smem_of_cta[];
-  const int cta_half = kHalves == 1 ? 0 : static_cast<int>(threadIdx.x) / kThreads;
-  const int tid = kHalves == 1 ? static_cast<int>(threadIdx.x) : static_cast<int>(threadIdx.x) % kThreads;  // in the half
-  uint8_t* const smem = smem_of_cta + cta_half * C::kSmemBytes;
+  extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* scratch = smem;
   uint32_t* pair_table = reinterpret_cast<uint32_t*>(smem + C::kScratchBytes);
-  // The barrier of this CTA's (or half's) kThreads threads: barrier 0 (__syncthreads) for a whole
-  // CTA, 1 + half for a half.
-  auto sync_threads = [&] {
-    if constexpr (kHalves == 1) {
-      __syncthreads();
-    } else {
-      asm volatile("bar.sync %0, %1;" ::"r"(1 + cta_half), "n"(kThreads) : "memory");
-    }
-  };
 
+  const int tid = static_cast<int>(threadIdx.x);
   const int lane = opaque<int>(tid & 31), warp = opaque<int>(tid >> 5);  // in registers (see decode_rows.cu)
   const int g = lane >> 2, c = lane & 3;  // MMA fragment coordinates
-  // In a mixed decode the row kernel, launched dependent on this one, may start its CTAs at once
-  // (launch_decode_mixed): it needs nothing of this kernel's until it finishes.
-  if (p.rows_from_context > 0) device::allow_dependent_grid_launch();
   const int kv_head = blockIdx.x / head_chunks;
   const int head_chunk = blockIdx.x % head_chunks;
-  const int split = static_cast<int>(blockIdx.z) + cta_half * static_cast<int>(gridDim.z);
+  const int split = blockIdx.z;
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int head0 = kv_head * group + head_chunk * kHeads;
   const int num_heads = min(kHeads, group - head_chunk * kHeads);  // heads of each query token
@@ -187,8 +166,6 @@ __global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / k
   const int num_columns = columns.count();
   auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
   auto out_row = [&](int h) { return columns.row(h, column_token(h, num_heads)); };  // column h's row of out
-  // A mixed decode's long sequences are the row kernel's (launch_decode_mixed).
-  if (p.rows_from_context > 0 && columns.seq_len >= p.rows_from_context) return;
   // The splits this row takes: where the library chose the count and the context is shorter than
   // split_waves.full_context, as many as row_splits_in_grid gives its context (at most the grid's;
   // the rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
@@ -201,19 +178,11 @@ __global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / k
   if (context < p.split_waves.full_context) {
     range = split_token_range(context, row_splits_in_grid(p.split_waves, context, p.num_splits), split);
   }
-  // Partials per row in the workspace (p.partial_stride, set by the launcher): the grid's splits, or
-  // in a mixed decode the stride both kernels share; the entries past this kernel's splits are -inf
-  // for its rows (split s writes s + num_splits, s + 2 num_splits, ...), so the merge weighs them 0.
-  // Read from the kernel's parameters at each use, not held in a register across the tile loop.
-  const int partials = p.partial_stride;
-  if (partials > p.num_splits && tid < num_columns) {
-    mark_partials_empty(p.partial_lse + out_row(tid) * partials, split, p.num_splits, partials);
-  }
-  if (range.begin >= range.end && partials > 1 && !cluster_splits) {
+  if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
     if (tid < num_columns) {
-      p.partial_lse[out_row(tid) * partials + split] = -INFINITY;
+      p.partial_lse[out_row(tid) * p.num_splits + split] = -INFINITY;
     }
     return;
   }
@@ -369,9 +338,9 @@ __global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / k
     auto stage_query = [&] {
       Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0, tid);
       if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook, tid);
-      sync_threads();
+      __syncthreads();
       device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
-      if constexpr (!C::kQueryApart) sync_threads();  // the ring reuses qs
+      if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
     };
     if constexpr (!C::kQueryApart) stage_query();
     tile_bases = tile_base(0, first_block_id);
@@ -445,7 +414,7 @@ __global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / k
   // ---- combine the warps
   sum_over_column_lanes(st.l);
   sum_over_column_lanes(st.z);
-  sync_threads();  // every warp is done with the ring
+  __syncthreads();  // every warp is done with the ring
   float* merge = reinterpret_cast<float*>(scratch);  // [kWarps][kHeads][D + 3]: acc, m, l, z
   constexpr int kRow = D + 3;
   float* mine = merge + warp * kHeads * kRow;
@@ -467,7 +436,7 @@ __global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / k
       mine[(2 * c + k) * kRow + D + 2] = st.z[k];
     }
   }
-  sync_threads();
+  __syncthreads();
   // Warp w combines column w (and w + kWarps, ...; a decode at GQA 4 has 4): the warps' weights
   // once per column, then D / 32 dims per lane. (One element per thread and iteration recomputed
   // the 8 weights and divided for every element: two 226-instruction iterations per thread at GQA 4,
@@ -503,14 +472,14 @@ __global__ void __launch_bounds__(kThreads * kHalves, kDecodeCtasByRegisters / k
       const float out = any ? num * inv_den : 0.0f;
       if (cluster_splits) {
         split_outs[h * D + d] = out;
-      } else if (partials == 1) {
+      } else if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
       } else {
-        p.partial_out[(row * partials + split) * D + d] = out;
+        p.partial_out[(row * p.num_splits + split) * D + d] = out;
       }
     }
     if (lane == 0 && cluster_splits) split_lses[h] = lse;
-    if (lane == 0 && !cluster_splits && partials != 1) p.partial_lse[row * partials + split] = lse;
+    if (lane == 0 && !cluster_splits && p.num_splits != 1) p.partial_lse[row * p.num_splits + split] = lse;
   }
   if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
     merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v) {
@@ -530,25 +499,9 @@ int query_chunks_of(const DecodeParams& p) {
 }
 
 // Once per instantiation and device: the shared memory opt-in and the resident CTAs.
-template <class C, typename T, int kHalves = 1>
+template <class C, typename T>
 KernelResidency prepare_decode_kernel() {
-  return opt_in_kernel<decode_kernel<C, T, kHalves>>(kThreads * kHalves, C::kSmemBytes * kHalves);
-}
-
-// Configurations with CTAs of two halves (decode_kernel's kHalves): Lloyd-Max keys (FP8 keys
-// already keep one CTA per SM) up to D = 128 (D = 256 spills at 128 registers already) whose two
-// halves' shared memory fits one CTA of the oldest architecture built for. Only these are
-// instantiated.
-template <class C>
-constexpr bool decode_halves_supported() {
-  return !C::kFp8Key && C::D <= 128 && 2 * C::kSmemBytes <= SmemBudget::kPerCta;
-}
-
-// Whether TURBOQUANT_CTA_HALVES=on asks for CTAs of two halves where the split rule fills two CTAs
-// per SM (read once per process; off, the default: an experiment not yet run on a GPU).
-static bool cta_halves_requested() {
-  static const int choice = env_kernel_choice("TURBOQUANT_CTA_HALVES", "off", "on");
-  return choice == 2;
+  return opt_in_kernel<decode_kernel<C, T>>(kThreads, C::kSmemBytes);
 }
 
 // Whether the per-head kernel may merge kClusterSplits splits inside a cluster rather than with
@@ -563,7 +516,7 @@ static bool merge_splits_in_cluster() {
 // and the workspace query (single_kernel_uses_split_workspace) ask this one question.
 template <class C, typename T>
 bool merges_in_cluster(const DecodeParams& p) {
-  return p.num_splits == kClusterSplits && p.partial_stride == 0 && p.cta_halves == 1 && merge_splits_in_cluster() &&
+  return p.num_splits == kClusterSplits && merge_splits_in_cluster() &&
          prepare_decode_kernel<C, T>().status == cudaSuccess &&
          cluster_launch_fits<decode_kernel<C, T>, kClusterSplits>(kThreads, C::kSmemBytes);
 }
@@ -583,22 +536,7 @@ struct LaunchDecode {
     // tables took 13.3-14.1 us against B = 1's 10.0, H200, session 20), though not one per SM
     // each: the block scheduler doubles some up before every SM has one (row_splits_in_grid).
     const dim3 grid(p.cache.num_kv_heads * head_chunks, query_chunks_of(p), p.num_splits);
-    DecodeParams launched = p;
-    if (launched.partial_stride == 0) launched.partial_stride = p.num_splits;  // not a mixed decode's: its own splits
-    if (p.cta_halves == 2) {  // CTAs of two halves (choose_decode_splits): each half one split
-      // Only as the planner sets it: an even count, never a mixed decode's part, configurations
-      // that have the two-half kernel.
-      if constexpr (decode_halves_supported<C>()) {
-        if (p.num_splits % 2 != 0 || p.partial_stride > 0 || p.rows_from_context > 0) return cudaErrorInvalidValue;
-        err = prepare_decode_kernel<C, T, 2>().status;
-        if (err != cudaSuccess) return err;
-        const dim3 halves_grid(grid.x, grid.y, p.num_splits / 2);
-        decode_kernel<C, T, 2><<<halves_grid, 2 * kThreads, 2 * C::kSmemBytes, stream>>>(launched, q_multiplier,
-                                                                                       head_chunks, false);
-      } else {
-        return cudaErrorInvalidValue;
-      }
-    } else if (merges_in_cluster<C, T>(p)) {
+    if (merges_in_cluster<C, T>(p)) {
       // The splits of each (query chunk, head group) as one cluster, merged in it: no merge launch.
       cudaLaunchConfig_t config = {};
       config.gridDim = grid;
@@ -608,13 +546,11 @@ struct LaunchDecode {
       cudaLaunchAttribute cluster = cluster_z_attribute(p.num_splits);
       config.attrs = &cluster;
       config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, launched, q_multiplier, head_chunks, true);
-    } else {
-      decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(launched, q_multiplier, head_chunks, false);
+      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, p, q_multiplier, head_chunks, true);
     }
+    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks, false);
     err = cudaGetLastError();
-    // A mixed decode's per-head part (partial_stride set): launch_decode_mixed merges.
-    if (err != cudaSuccess || p.num_splits == 1 || p.partial_stride > 0) return err;
+    if (err != cudaSuccess || p.num_splits == 1) return err;
     return launch_decode_merge(p, stream);
   }
 };
@@ -636,20 +572,6 @@ struct ResidentCtas {
   cudaError_t run() const {
     const int n = prepare_decode_kernel<C, T>().per_sm;
     *per_sm = n > 0 ? n : 1;
-    return cudaSuccess;
-  }
-};
-
-// Whether this configuration has CTAs of two halves and they launch here (their opt-in succeeds).
-struct HalvesAvailable {
-  bool* available;
-  template <class C, typename T>
-  cudaError_t run() const {
-    if constexpr (decode_halves_supported<C>()) {
-      *available = prepare_decode_kernel<C, T, 2>().per_sm == 1;  // exactly one per SM, as planned
-    } else {
-      *available = false;
-    }
     return cudaSuccess;
   }
 };
@@ -721,23 +643,12 @@ static bool short_rows_fill_grid() {
 
 constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
 
-// The per-head kernel's plan for contexts up to `capacity` tokens: the grid's splits, and each
-// row's share of them by its own context (p.split_waves). Returns the grid's count. With
-// `allow_halves` and TURBOQUANT_CTA_HALVES=on, where the rule fills two CTAs per SM the grid
-// becomes CTAs of two halves (p.cta_halves, halves_grid_splits), one CTA per SM at most.
-static int plan_per_head_splits(DecodeParams& p, int capacity, bool allow_halves) {
+// The per-head kernel's plan for contexts up to `capacity` tokens (the block table's): the grid's
+// splits, and each row's share of them by its own context (p.split_waves). Returns the grid's count.
+static int plan_per_head_splits(DecodeParams& p, int capacity) {
   SplitWaves w = per_head_split_waves(p);
-  int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
-  const int halved = allow_halves && cta_halves_requested() ? halves_grid_splits(w, splits) : 0;
-  bool available = false;
-  if (halved > 0) visit_decode_config(p, HalvesAvailable{&available});
-  if (available) {
-    splits = halved;
-    p.cta_halves = 2;
-    w.fill_grid = false;  // one CTA per SM: no first CTAs doubled up to spread over the grid
-  } else {
-    w.fill_grid = short_rows_fill_grid();
-  }
+  const int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
+  w.fill_grid = short_rows_fill_grid();
   w.full_context = first_context_with_splits(w, splits, capacity);  // after fill_grid, which it depends on
   p.split_waves = w;
   return splits;
@@ -753,7 +664,6 @@ void choose_decode_splits(DecodeParams& p) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
-  p.cta_halves = 1;
   if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
     p.num_splits =
@@ -770,62 +680,19 @@ void choose_decode_splits(DecodeParams& p) {
                                                    p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
                                                    decode_rows_resident_ctas(p), 1);
     p.num_splits = std::min(splits, kMaxPlannedSplits * per_cta);  // kMaxDecodeSplits at 2 per CTA
-    // Mixed decode: the sequences below rows_from_context take the per-head kernel, its grid and
-    // each row's splits planned as for a table of rows_from_context - 1 tokens.
-    const int from = mixed_decode_rows_from(p);
-    if (from > 0) {
-      p.head_splits = plan_per_head_splits(p, from - 1, false);
-      p.rows_from_context = from;
-    }
   } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
-    p.num_splits = plan_per_head_splits(p, max_context, true);
+    p.num_splits = plan_per_head_splits(p, max_context);
   }
 }
 
-// The kernel choice of launch_decode for a decode that is not mixed, asked for its workspace: the
-// chunked and row kernels merge through it, the per-head kernel unless its splits merge in a cluster.
-static bool single_kernel_uses_split_workspace(const DecodeParams& p) {
-  if (p.num_splits < 2) return false;
-  if (use_chunked_varlen(p) || decode_rows_supports(p)) return true;
+// The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge
+// through it, the per-head kernel unless its splits merge in a cluster.
+int decode_workspace_splits(const DecodeParams& p) {
+  if (p.num_splits < 2) return 0;
+  if (use_chunked_varlen(p) || decode_rows_supports(p)) return p.num_splits;
   bool merges = false;
   visit_decode_config(p, MergesInCluster{p, &merges});
-  return !merges;
-}
-
-// A mixed decode's partials per row: the row kernel's (one per CTA) or the per-head kernel's
-// splits, whichever is more.
-static int mixed_partial_stride(const DecodeParams& p) {
-  return std::max(cdiv(p.num_splits, decode_rows_splits_per_cta(p)), p.head_splits);
-}
-
-int decode_workspace_splits(const DecodeParams& p) {
-  if (p.rows_from_context > 0) {
-    const int stride = mixed_partial_stride(p);
-    return stride > 1 ? stride : 0;
-  }
-  return single_kernel_uses_split_workspace(p) ? p.num_splits : 0;
-}
-
-// Mixed decode (p.rows_from_context): the per-head kernel for the short sequences, then the row
-// kernel for the long ones, launched dependent so that its CTAs start while the per-head kernel's
-// run (the per-head kernel allows it at once; each kernel leaves the other's sequences at once),
-// then one merge of both kernels' partials at one stride. The row kernel completes only after the
-// per-head kernel (its first CTA waits for it before it finishes; decode_rows.cu), so the
-// merge, dependent on the row kernel, sees both kernels' results.
-static cudaError_t launch_decode_mixed(const DecodeParams& p, cudaStream_t stream) {
-  const int stride = mixed_partial_stride(p);
-  DecodeParams heads = p;
-  heads.num_splits = p.head_splits;
-  heads.partial_stride = stride;
-  cudaError_t err = visit_decode_config(heads, LaunchDecode{heads, stream});
-  if (err != cudaSuccess) return err;
-  DecodeParams rows = p;
-  rows.partial_stride = stride;
-  err = launch_decode_rows(rows, stream);
-  if (err != cudaSuccess || stride == 1) return err;
-  DecodeParams merge = p;
-  merge.num_splits = stride;
-  return launch_decode_merge(merge, stream);
+  return merges ? 0 : p.num_splits;
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
@@ -833,8 +700,7 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
   if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
   if (query_chunks_of(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
-  if (decode_rows_supports(p)) return p.rows_from_context > 0 ? launch_decode_mixed(p, stream) : launch_decode_rows(p, stream);
-  if (p.rows_from_context > 0) return cudaErrorInvalidValue;  // a mixed plan needs the row kernel for its long sequences
+  if (decode_rows_supports(p)) return launch_decode_rows(p, stream);
   if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
   return visit_decode_config(p, LaunchDecode{p, stream});
 }

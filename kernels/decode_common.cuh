@@ -75,14 +75,6 @@ __device__ __forceinline__ float load_half(const uint8_t* p) {
 }
 
 // 2^x with flush-to-zero (one MUFU op; exp2f adds a denormal fix-up around it). 2^-inf = 0.
-// A row's split partials from `first` + `step` on, every `step`-th one below `end`, marked as having
-// seen no token (-inf log-sum-exp: the merge weighs them 0 and never reads their vectors): the
-// entries past a kernel's own splits where a mixed decode's two kernels share a stride
-// (DecodeParams::partial_stride).
-__device__ __forceinline__ void mark_partials_empty(float* lse_row, int first, int step, int end) {
-  for (int e = first + step; e < end; e += step) lse_row[e] = -INFINITY;
-}
-
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

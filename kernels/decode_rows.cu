@@ -108,17 +108,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
                              p.num_q_heads};
   const int first_column = warp * group;
   const int limit0 = 2 * c < group ? seq_len : 0, limit1 = 2 * c + 1 < group ? seq_len : 0;
-  // A mixed decode's short sequences are the per-head kernel's (launch_decode_mixed). This kernel,
-  // launched dependent on it, completes only after it: its first CTA waits for it (rows are
-  // disjoint, so no other CTA needs to), after letting the merge start its CTAs.
-  const bool holds_mixed_grid = p.rows_from_context > 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
-  if (p.rows_from_context > 0 && seq_len < p.rows_from_context) {
-    if (holds_mixed_grid) {
-      allow_dependent_grid_launch();
-      wait_for_primary_grid();
-    }
-    return;
-  }
   const TokenRange range = has_split ? split_token_range(seq_len, p.num_splits, split) : TokenRange{0, 0};
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
 
@@ -239,7 +228,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   }
 
   allow_dependent_grid_launch();  // the split merge may start its CTAs (decode_merge.cu)
-  if (holds_mixed_grid) wait_for_primary_grid();  // a mixed decode's per-head kernel (above)
 
   // ---- this warp's columns are complete for the split: (acc + z) / l and the log-sum-exp (log2
   // domain). The results leave through shared memory as whole rows: straight from the MMA layout a
@@ -289,11 +277,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   } else {
     __syncwarp();
   }
-  // One partial per CTA at p.partial_stride per row (set by the launcher): grid.y, which
-  // launch_decode_merge combines, or in a mixed decode the stride both kernels share, the entries
-  // past grid.y -inf for this kernel's rows (CTA y writes y + grid.y, y + 2 grid.y, ...).
-  const int num_partials = p.partial_stride;
-  const int partial = blockIdx.y;
+  // One partial per CTA: grid.y of them per row (launch_decode_merge combines that many).
+  const int num_partials = gridDim.y, partial = blockIdx.y;
   // Lane l writes dims 4l .. 4l + 3 of each column (D = 64: lanes 0-15).
   if (4 * lane < D) {
     for (int col = 0; col < group; ++col) {
@@ -311,10 +296,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
         *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + 4 * lane) = *reinterpret_cast<const uint2*>(four);
       } else {
         *reinterpret_cast<float4*>(p.partial_out + (row * num_partials + partial) * D + 4 * lane) = o;
-        if (lane == 0) {
-          p.partial_lse[row * num_partials + partial] = lse;
-          mark_partials_empty(p.partial_lse + row * num_partials, partial, static_cast<int>(gridDim.y), num_partials);
-        }
+        if (lane == 0) p.partial_lse[row * num_partials + partial] = lse;
       }
     }
   }
@@ -367,23 +349,9 @@ struct LaunchRows {
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
     const bool adjacent_rows = p.cache.stride_token == C::kRowBytes;
     const dim3 grid(p.cache.num_kv_heads / kRowHeads, cdiv(p.num_splits, C::kSplitsPerCta), p.batch);
-    // A mixed decode's part (partial_stride set): dependent on its per-head kernel, and
-    // launch_decode_mixed merges.
-    const bool mixed = p.partial_stride > 0;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(C::kThreads);
-    config.dynamicSmemBytes = C::kSmemBytes;
-    config.stream = stream;
-    cudaLaunchAttribute overlap = dependent_launch_attribute();
-    if (mixed && device_supports_dependent_launch()) {
-      config.attrs = &overlap;
-      config.numAttrs = 1;
-    }
-    DecodeParams launched = p;
-    if (!mixed) launched.partial_stride = static_cast<int>(grid.y);  // one partial per CTA, which the kernel reads
-    err = cudaLaunchKernelEx(&config, decode_rows_kernel<C, T>, launched, q_multiplier, adjacent_rows);
-    if (err != cudaSuccess || grid.y == 1 || mixed) return err;
+    decode_rows_kernel<C, T><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, adjacent_rows);
+    err = cudaGetLastError();
+    if (err != cudaSuccess || grid.y == 1) return err;
     // One partial per CTA (its halves folded): the workspace, sized for p.num_splits per row, holds
     // grid.y per row, and the merge combines those.
     DecodeParams partials = p;
@@ -443,22 +411,10 @@ bool decode_rows_supports(const DecodeParams& p) {
   bool built = false;
   if (visit_rows_config(p, RowsBuilt{&built}) != cudaSuccess || !built) return false;
   const int max_context = p.max_blocks_per_seq * c.block_size;
-  // A mixed decode whose block table cannot hold a sequence long enough for this kernel: the
-  // per-head kernel serves every sequence.
-  if (max_context < mixed_decode_rows_from(p)) return false;
   // By default only from 3 (sequence, 8-head group) rows where its grid can fill half the SMs
   // (row_kernel_preferred, split_plan.h: at short contexts and small batches the per-head
   // kernel's 8x more CTAs win).
   return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads, max_context, device_sm_count());
-}
-
-// The context from which a plain decode's sequences take the row kernel in a mixed decode
-// (mixed_rows_from_context, turboquant/split_plan.h), 0 where p is not mixed: the switch is off
-// (TURBOQUANT_MIXED_DECODE=on, read once per process; off, the default: it lost where measured, session 23) or a
-// kernel is forced.
-int mixed_decode_rows_from(const DecodeParams& p) {
-  static const int choice = env_kernel_choice("TURBOQUANT_MIXED_DECODE", "off", "on");
-  return choice == 2 && forced_decode_kernel() == 0 ? mixed_rows_from_context(p.batch) : 0;
 }
 
 int decode_rows_resident_ctas(const DecodeParams& p) {

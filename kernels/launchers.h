@@ -60,18 +60,6 @@ struct DecodeParams {
   // grid's), and the CTAs of the other splits exit at once. Unset (full_context 0): every
   // sequence is divided into num_splits.
   SplitWaves split_waves;
-  // Mixed plain decode (launch_decode, turboquant/split_plan.h mixed_rows_from_context): sequences
-  // of at least rows_from_context tokens take the row kernel (num_splits splits), shorter ones the
-  // per-head kernel (head_splits splits, split_waves for its rows); 0: one kernel serves all.
-  int rows_from_context = 0;
-  int head_splits = 0;
-  // Partials per row in the workspace where two kernels share it (mixed decode: the larger of
-  // their counts; each writes -inf log-sum-exps past its own for its rows); 0: the kernel's own
-  // (the per-head kernel's launcher then sets it to num_splits, which its kernel reads).
-  int partial_stride = 0;
-  // 2: the per-head kernel runs CTAs of two halves (TURBOQUANT_CTA_HALVES=on, an experiment; set
-  // by choose_decode_splits): a grid of num_splits / 2 CTAs, at most one per SM. 1: plain CTAs.
-  int cta_halves = 1;
   // Workspace for num_splits > 1, sized for num_splits partials per row; a kernel may write fewer
   // (the row kernel: one per CTA, its two splits folded) and merge that many, at that stride.
   float* partial_out = nullptr;  // [query_rows, num_q_heads, partials, head_dim]
@@ -124,8 +112,7 @@ constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) 
 // the per-head kernel serves p, p.split_waves (each row's share of the grid by its context).
 void choose_decode_splits(DecodeParams& p);
 // Partials per row of the workspace launch_decode(p) uses, p.partial_out and p.partial_lse (0: none,
-// for one split or where the per-head kernel merges its splits inside a cluster): p.num_splits, or
-// for a mixed decode both kernels' partials at one stride.
+// for one split or where the per-head kernel merges its splits inside a cluster): p.num_splits.
 int decode_workspace_splits(const DecodeParams& p);
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
@@ -145,7 +132,6 @@ bool decode_rows_supports(const DecodeParams& p);
 int decode_rows_resident_ctas(const DecodeParams& p);  // CTAs per SM
 int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for 4-bit keys (one CTA of 16 warps), else 1
 int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)
-int mixed_decode_rows_from(const DecodeParams& p);  // 0: not mixed (TURBOQUANT_MIXED_DECODE, decode_rows.cu)
 cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream);
 
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);

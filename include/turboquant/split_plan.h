@@ -136,17 +136,6 @@ TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) 
   return own < grid_splits ? own : grid_splits;
 }
 
-// The splits of a per-head grid of CTAs of two halves (kernels/decode.cu, TURBOQUANT_CTA_HALVES,
-// an experiment) in place of `splits` planned ones: where those fill two CTAs per SM (more than
-// w.one_per_sm), twice as many CTAs as fit one per SM at most; 0 where one CTA per SM serves
-// already. B = 1 at 8 KV heads: 33 -> 32 (16 CTAs of two halves per head). A row whose own count
-// is at most one_per_sm then takes first halves only, each on an SM of its own.
-TQ_HD int halves_grid_splits(const SplitWaves& w, int splits) {
-  if (splits <= w.one_per_sm) return 0;
-  const int ctas = ceil_div(splits, 2);
-  return 2 * (ctas < w.one_per_sm ? ctas : w.one_per_sm);
-}
-
 // The shortest context in [0, max_context] that takes all of a grid of `num_splits` splits
 // (row_splits_in_grid; max_context + 1 if none does). The rule is monotone in the context for the
 // per-head kernel's waves (GTest), so every longer context takes the grid's whole count: the device
@@ -186,35 +175,16 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
 // 23.7 vs 24.6 (4bit_nc; k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs
 // 37.2); and with a serving engine's 32k-token block tables, where a shape-only choice cannot see
 // that sequences are short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2
-// L=1k 9.8 vs 13.5). Not run with this rule yet (session 21: the per-head numbers were forced).
+// L=1k 9.8 vs 13.5). With those tables batches of 3-8 still take the row kernel at every length:
+// at 256-1k tokens it took 12.2-17.6 us where the per-head kernel took 9.4-15.1, at 16k-32k the
+// row kernel is 13-25 % faster (H200, sessions 22-24). A mixed decode that launched both kernels,
+// each sequence taking one by its own length on the device, lost at every shape but B=3-8 at
+// 256-1k (1-45 % slower elsewhere, session 23) and was removed (benchmarks/RESULTS.md, session 24).
 constexpr int kMinRowKernelRows = 3;
 TQ_HD bool row_kernel_preferred(int batch, int head_groups, int max_context, int sm_count) {
   const long long rows = static_cast<long long>(batch) * head_groups;
   const int splits = max_context / kMinTokensPerSplit > 1 ? max_context / kMinTokensPerSplit : 1;
   return rows >= kMinRowKernelRows && rows * splits * 2 >= sm_count;
-}
-
-// Mixed plain decode (kernels/decode.cu, launch_decode_mixed; TURBOQUANT_MIXED_DECODE=on, an
-// experiment, off: measured in session 23 it recovers only part of the per-head kernel's lead at
-// short contexts and costs 1-45 % at long ones and in batches of mixed lengths, benchmarks/RESULTS.md):
-// where the row kernel takes a batch by its shapes
-// (row_kernel_preferred), each sequence shorter than mixed_rows_from_context(batch) tokens takes
-// the per-head kernel instead, chosen on the device from its own length (both kernels are
-// launched; each leaves the other's sequences at once, and one merge combines their partials). A
-// shape-only choice cannot see the lengths: with a serving engine's block tables (sized for its
-// longest model length) the row kernel took every batch of 3+ sequences, also while they were
-// short. Measured with 32k-token tables, each kernel forced for the whole batch (H200, session
-// 22 call 1, 4bit_nc us, per-head vs rows): B=3 at 256 tokens 9.3 vs 12.5, 1k 12.4 vs 14.3, 4k
-// 21.3 vs 18.8; B=4 9.4 vs 12.4, 11.4 vs 15.1, 4k 18.1 vs 19.4, 16k 34.6 vs 33.4; B=8 10.1 vs
-// 13.0, 14.9 vs 16.9, 4k 23.7 vs 23.8, 16k 57.9 vs 50.4, 32k 107.1 vs 86.0. The per-head kernel's
-// edge is latency, so it shrinks as the batch's work grows: a sequence takes it below
-// kMixedTokens / batch tokens (B=3: 4096, B=4: 3072, B=8: 1536); where that is under
-// kMixedMinContext tokens (B > 48), every sequence takes the row kernel.
-constexpr int kMixedTokens = 12288;
-constexpr int kMixedMinContext = 256;
-TQ_HD int mixed_rows_from_context(int batch) {
-  const int from = batch > 0 ? kMixedTokens / batch : 0;
-  return from >= kMixedMinContext ? from : 0;
 }
 
 // Token range [begin, end) of split `split` for a sequence of `seq_len` tokens; chunks are whole

@@ -198,37 +198,6 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
   }
 }
 
-TEST(SplitPlan, CtasOfTwoHalvesKeepOnePerSm) {
-  // B = 1 at 8 KV heads: 33 splits fill two CTAs per SM; as CTAs of two halves, 16 CTAs per head
-  // (128 of 132 SMs) of 2 splits each.
-  const SplitWaves w = decode_split_waves(false, 1, 8, 132, 2, 8);
-  EXPECT_EQ(halves_grid_splits(w, 33), 32);
-  // Rows take the halved grid whole from 7 tiles per warp at 33 splits on, as the plain grid's
-  // (fill_grid off: one CTA per SM leaves nothing to double up).
-  EXPECT_EQ(first_context_with_splits(w, 32, 32768), 33 * 7 * 128);
-  EXPECT_EQ(row_splits_in_grid(w, 29000, 32), 16) << "first halves only";
-  EXPECT_EQ(halves_grid_splits(w, 16), 0) << "one CTA per SM already";
-  EXPECT_EQ(halves_grid_splits(w, 2), 0);
-  // B = 3: one per SM is 5 splits, two per SM 11 -> 5 CTAs of two.
-  EXPECT_EQ(halves_grid_splits(decode_split_waves(false, 3, 8, 132, 2, 8), 11), 10);
-  for (int batch : {1, 2, 3, 4, 8, 16, 33, 100}) {
-    for (int heads : {1, 2, 4, 8}) {
-      const SplitWaves waves = decode_split_waves(false, batch, heads, 132, 2, 8);
-      for (int capacity : {256, 4096, 32768, 131072}) {
-        const int splits = std::min(splits_for_context(waves, capacity), 128);
-        const int halved = halves_grid_splits(waves, splits);
-        if (halved == 0) {
-          EXPECT_LE(splits, waves.one_per_sm);
-          continue;
-        }
-        EXPECT_EQ(halved % 2, 0);
-        EXPECT_LE(halved, splits + 1) << "never more splits than planned (but for rounding to pairs)";
-        EXPECT_LE(static_cast<long long>(halved / 2) * batch * heads, 132) << "at most one CTA per SM";
-      }
-    }
-  }
-}
-
 TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
   for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149}) {
     for (int splits : {1, 3, 7, 33}) {
@@ -244,18 +213,6 @@ TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
       }
       EXPECT_EQ(covered, seq_len) << seq_len << " tokens, " << splits << " splits";
     }
-  }
-}
-
-TEST(SplitPlan, MixedDecodeGivesShortSequencesThePerHeadKernelWhileTheBatchIsSmall) {
-  EXPECT_EQ(mixed_rows_from_context(3), 4096);
-  EXPECT_EQ(mixed_rows_from_context(4), 3072);
-  EXPECT_EQ(mixed_rows_from_context(8), 1536);
-  EXPECT_EQ(mixed_rows_from_context(48), 256);
-  EXPECT_EQ(mixed_rows_from_context(49), 0);  // 250 tokens: every sequence takes the row kernel
-  EXPECT_EQ(mixed_rows_from_context(0), 0);
-  for (int batch = 1; batch < 64; ++batch) {  // fewer tokens per sequence as the batch grows
-    EXPECT_LE(mixed_rows_from_context(batch + 1), mixed_rows_from_context(batch)) << batch;
   }
 }
 

@@ -112,18 +112,6 @@ def captured_decode(q, cache, block_table, seq_lens, preset: str, scale: float):
     return graph, out
 
 
-def profiled_kernel_names(args, preset: str, splits: int) -> list:
-    """The CUDA kernels one decode over `args` (q, cache, block table, seq_lens on the GPU) launches,
-    from a profiler trace of a second call (the first does the one-time set-up)."""
-    from torch.profiler import ProfilerActivity, profile
-    tq.decode(*args, preset, 0.1, splits)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tq.decode(*args, preset, 0.1, splits)
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def serving_table(bt: torch.Tensor, cache: torch.Tensor, tokens: int = 32768) -> torch.Tensor:
     """bt widened to `tokens` tokens per sequence, as a serving engine sizes it for its longest model
     length; the entries past each sequence's blocks are stale ids of other blocks."""
