@@ -4,7 +4,8 @@
         python benchmarks/profile_kernels.py decode --preset turboquant_4bit_nc
     ncu --kernel-name regex:store_kv_kernel ... python benchmarks/profile_kernels.py store
 
-decode: bench_decode's packed cache and query at --shape (default (32, 32, 8, 8192)).
+decode: bench_decode's packed cache and query at --shape (default (32, 32, 8, 8192)); --table-tokens
+widens its block table to a serving engine's (sweep_splits.with_table_tokens), --splits forces a count.
 varlen: one sequence of L = --shape's L cached tokens with a --q-len token continuation chunk
 (decode_varlen; the library picks the kernel by shape unless TURBOQUANT_VARLEN_KERNEL is set).
 store: bench_store's 65,536 tokens x 8 KV heads x D=128 bf16 into a paged cache at random slots.
@@ -21,14 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
 from bench_decode import HEAD_DIM, build_cache  # noqa: E402
 from bench_store import BLOCK_SIZE, HEADS  # noqa: E402
+from sweep_splits import with_table_tokens  # noqa: E402
 
 
 def decode_step(a):
     b, hq, hkv, length = a.shape
-    cache, block_table = build_cache(a.preset, b, hkv, length)
+    cache, block_table = with_table_tokens(build_cache(a.preset, b, hkv, length), a.table_tokens)
     q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-    return lambda: tq.decode(q, cache, block_table, seq_lens, a.preset, HEAD_DIM ** -0.5)
+    return lambda: tq.decode(q, cache, block_table, seq_lens, a.preset, HEAD_DIM ** -0.5, a.splits)
 
 
 def varlen_step(a):
@@ -54,6 +56,8 @@ def main():
     p.add_argument("--preset", choices=list(tq.PRESETS), default="turboquant_4bit_nc")
     p.add_argument("--shape", type=int, nargs=4, metavar=("B", "HQ", "HKV", "L"), default=(32, 32, 8, 8192),
                    help="decode shape")
+    p.add_argument("--table-tokens", type=int, default=0, help="decode: block tables that could hold this many tokens")
+    p.add_argument("--splits", type=int, default=0, help="decode: a forced split count (0: the library's)")
     p.add_argument("--tokens", type=int, default=65536, help="store tokens")
     p.add_argument("--q-len", type=int, default=128, help="varlen: query tokens of the chunk")
     p.add_argument("--steps", type=int, default=3)

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe cta_placement diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 520: the whole suite took over 450 s in session 20); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
-# picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on each, default 1 32 8 32768); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
+# picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on each, default 1 32 8 32768,
+# PROFILE_ARGS adds profile_kernels.py options, e.g. "--table-tokens 32768"); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
 # each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
@@ -199,7 +200,7 @@ if has profile_kernels; then  # the per-head and the row kernel on each shape of
   for shape in "${profile_shapes[@]}"; do
     for kernel in heads rows; do
       name=decode_profile_$kernel; [ "${#profile_shapes[@]}" -gt 1 ] && name=${name}_$(echo $shape | tr ' ' '_')
-      TURBOQUANT_DECODE_KERNEL=$kernel ncu_profile "$name" "decode_(rows_)?kernel" decode --shape $shape
+      TURBOQUANT_DECODE_KERNEL=$kernel ncu_profile "$name" "decode_(rows_)?kernel" decode --shape $shape ${PROFILE_ARGS:-}
     done
   done
 fi
