@@ -32,4 +32,9 @@ int env_kernel_choice(const char* variable, const char* first, const char* secon
   return 0;
 }
 
+bool smem_carveout_max_requested() {
+  static const bool requested = env_kernel_choice("TURBOQUANT_SMEM_CARVEOUT", "auto", "max") == 2;
+  return requested;
+}
+
 }  // namespace turboquant

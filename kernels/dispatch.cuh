@@ -22,6 +22,29 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   return blocks > 0 ? blocks : 1;
 }
 
+constexpr int kMaxDevices = 64;  // per-device caches of the kernels' one-time set-up
+
+// TURBOQUANT_SMEM_CARVEOUT=max (an experiment, read once per process; default: the driver's choice
+// per kernel): every kernel with a shared-memory opt-in (decode, store) and the split merge ask for
+// the SM's largest shared-memory carveout, the one the decode kernels need anyway. The merge, which needs none, may otherwise run
+// with a smaller one, and launching a kernel whose carveout preference differs from the last "may
+// insert a device-side synchronization point" (CUDA driver API, cuKernelSetCacheConfig), which
+// would undo the merge's programmatic dependent launch. Once per kernel and device.
+template <auto Kernel>
+void prefer_carveout_of_decode() {
+  static std::atomic<bool> done[kMaxDevices];
+  int device = 0;
+  if (!smem_carveout_max_requested() || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices ||
+      done[device].load(std::memory_order_relaxed)) {
+    return;
+  }
+  if (cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
+      cudaSuccess) {
+    cudaGetLastError();  // a preference only: the kernel runs either way
+  }
+  done[device].store(true, std::memory_order_relaxed);
+}
+
 // A kernel's shared-memory opt-in and its resident CTAs per SM, once per device of the process:
 // the opt-in applies to the device current when it is made, so a process that launches on
 // several GPUs needs it on each. Kernel: the kernel function itself, so each instantiation keeps
@@ -32,7 +55,6 @@ struct KernelResidency {
   cudaError_t status;  // of the opt-in
   int per_sm;          // CTAs of `threads` that fit on one SM; 0 where the opt-in failed
 };
-constexpr int kMaxDevices = 64;
 template <auto Kernel>
 KernelResidency opt_in_kernel(int threads, int smem_bytes) {
   // Per device: 0 not asked yet, > 0 the CTAs per SM, < 0 minus the opt-in's error.
@@ -43,6 +65,7 @@ KernelResidency opt_in_kernel(int threads, int smem_bytes) {
   }
   int n = cached[device].load(std::memory_order_relaxed);
   if (n == 0) {  // two threads may both ask: they store the same answer
+    prefer_carveout_of_decode<Kernel>();
     const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (status != cudaSuccess) cudaGetLastError();  // reported through the result, not to the next launch's check
     n = status == cudaSuccess ? resident_ctas_per_sm(Kernel, threads, smem_bytes) : -static_cast<int>(status);
