@@ -110,6 +110,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   const int limit0 = 2 * c < group ? seq_len : 0, limit1 = 2 * c + 1 < group ? seq_len : 0;
   const TokenRange range = has_split ? split_token_range(seq_len, p.num_splits, split) : TokenRange{0, 0};
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
+  // A CTA whose first split finds no tokens has none in its others either (later splits start
+  // later): a short sequence in a block table sized for long ones. Where a merge follows, its
+  // partial is marked empty (-inf log-sum-exps: the merge weighs it 0 and never reads the vectors)
+  // and it leaves before the set-up, as the per-head kernel's empty CTAs do; they ran the whole
+  // set-up and epilogue and stored zero partials (16 KB per CTA at D = 128 and GQA 4; ncu, B = 3
+  // L = 256 with 32k-token tables, session 24: 120 of the 132 CTAs, most of the warp samples).
+  if (gridDim.y > 1 && split_token_range(seq_len, p.num_splits, blockIdx.y * C::kSplitsPerCta).begin >= seq_len) {
+    if (threadIdx.x < kRowHeads * group) {
+      p.partial_lse[columns.row(threadIdx.x) * gridDim.y + blockIdx.y] = -INFINITY;
+    }
+    return;
+  }
 
   if (warp == 0 && lane == 0) {  // each half's producer sets up its half's barriers
     for (int s = 0; s < C::kStages; ++s) {
