@@ -144,7 +144,7 @@ int merge_dim_slices(int num_splits, int head_dim) {
 
 template <typename T>
 cudaError_t launch_merge(const DecodeParams& p, cudaStream_t stream) {
-  prefer_carveout_of_decode<merge_splits_kernel<T>>();
+  prefer_max_shared_carveout<merge_splits_kernel<T>>();
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.query_rows) * p.num_q_heads),
                         merge_dim_slices(p.num_splits, p.layout.head_dim));

@@ -33,7 +33,7 @@ int env_kernel_choice(const char* variable, const char* first, const char* secon
 }
 
 bool smem_carveout_max_requested() {
-  static const bool requested = env_kernel_choice("TURBOQUANT_SMEM_CARVEOUT", "auto", "max") == 2;
+  static const bool requested = env_kernel_choice("TURBOQUANT_SMEM_CARVEOUT", "auto", "max") != 1;
   return requested;
 }
 

@@ -24,14 +24,18 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
 
 constexpr int kMaxDevices = 64;  // per-device caches of the kernels' one-time set-up
 
-// TURBOQUANT_SMEM_CARVEOUT=max (an experiment, read once per process; default: the driver's choice
-// per kernel): every kernel with a shared-memory opt-in (decode, store) and the split merge ask for
-// the SM's largest shared-memory carveout, the one the decode kernels need anyway. The merge, which needs none, may otherwise run
-// with a smaller one, and launching a kernel whose carveout preference differs from the last "may
-// insert a device-side synchronization point" (CUDA driver API, cuKernelSetCacheConfig), which
-// would undo the merge's programmatic dependent launch. Once per kernel and device.
+// Every kernel with a shared-memory opt-in (decode, store) and the split merge prefer the SM's
+// largest shared-memory carveout, the one the decode kernels need anyway; without a preference the
+// driver picks one per kernel, the merge (no shared memory) a smaller one, and launching a kernel
+// whose carveout preference differs from the last "may insert a device-side synchronization point"
+// (CUDA driver API, cuKernelSetCacheConfig). Measured (H200, session 24 call 4, the same build
+// with TURBOQUANT_SMEM_CARVEOUT=auto (the driver's choice) and =max in alternating runs, 4bit_nc,
+// 32k-token tables, B = 3-8 at 256-4k tokens): graph steps 0-0.4 us faster in both rounds (B=1
+// L=1k with an exact table 10.4 -> 9.2), kernels' own spans unchanged, eager steps mostly 46-50 -> 25-30
+// us. Once per kernel and device; TURBOQUANT_SMEM_CARVEOUT=auto (read once per process) leaves
+// the choice to the driver.
 template <auto Kernel>
-void prefer_carveout_of_decode() {
+void prefer_max_shared_carveout() {
   static std::atomic<bool> done[kMaxDevices];
   int device = 0;
   if (!smem_carveout_max_requested() || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices ||
@@ -65,7 +69,7 @@ KernelResidency opt_in_kernel(int threads, int smem_bytes) {
   }
   int n = cached[device].load(std::memory_order_relaxed);
   if (n == 0) {  // two threads may both ask: they store the same answer
-    prefer_carveout_of_decode<Kernel>();
+    prefer_max_shared_carveout<Kernel>();
     const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (status != cudaSuccess) cudaGetLastError();  // reported through the result, not to the next launch's check
     n = status == cudaSuccess ? resident_ctas_per_sm(Kernel, threads, smem_bytes) : -static_cast<int>(status);

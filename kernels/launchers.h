@@ -105,8 +105,8 @@ inline cudaLaunchAttribute dependent_launch_attribute() {
 // `first`, 2 when it equals `second`, 0 when unset (other values warn and count as unset). Callers
 // read it once per process.
 int env_kernel_choice(const char* variable, const char* first, const char* second);
-// TURBOQUANT_SMEM_CARVEOUT=max: every decode kernel and the merge prefer the largest shared-memory
-// carveout (prefer_carveout_of_decode, dispatch.cuh; an experiment, read once per process).
+// Whether the kernels prefer the largest shared-memory carveout (prefer_max_shared_carveout,
+// dispatch.cuh): yes unless TURBOQUANT_SMEM_CARVEOUT=auto (read once per process).
 bool smem_carveout_max_requested();
 
 constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) the merge combines
