@@ -217,6 +217,30 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
   __syncthreads();
 }
 
+// stage_query_columns in two steps, for a kernel that issues the query loads first thing (every
+// batch of the warp's columns into registers), so their latency overlaps the loads of the sequence
+// length and the block ids instead of following them, and stages them later.
+template <int D, int kColumns, int kThreads, typename T>
+struct PreloadedQuery {
+  using Staging = QueryStaging<D, kColumns, kThreads>;
+  static constexpr int kBatches = Staging::kColumnsPerWarp / Staging::kBatch;
+  T raw[kBatches][Staging::kBatch][Staging::kPerLane];
+
+  __device__ __forceinline__ void load(const T* query, const QueryColumns& columns) {
+#pragma unroll
+    for (int i = 0; i < kBatches; ++i) Staging::load(raw[i], query, columns, i * Staging::kBatch);
+  }
+  // -> qs (fp32, rotated for Lloyd-Max keys) and the pair table, visible to every thread on return.
+  template <bool kLloydMax, int kKeyBits, int kPairStrideWords>
+  __device__ __forceinline__ void stage(float* qs, uint32_t* pair_table, const QueryColumns& columns,
+                                        const Codebook& codebook) const {
+#pragma unroll
+    for (int i = 0; i < kBatches; ++i) Staging::template store<kLloydMax>(qs, raw[i], columns, i * Staging::kBatch);
+    if constexpr (kLloydMax) stage_pair_table<kKeyBits, kPairStrideWords, kThreads>(pair_table, codebook);
+    __syncthreads();
+  }
+};
+
 // The online softmax's exponent base m is raised to kSoftmaxHeadroom (log2 domain) above the
 // largest score so far, never to the score itself: a later score up to a factor 2^headroom larger
 // needs no rescale of the O^T fragments (32 FMULs, three shuffle rounds), and the weights stay

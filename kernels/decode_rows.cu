@@ -101,11 +101,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   const int group = p.num_q_heads / p.cache.num_kv_heads;  // <= 8 (decode_rows_supports)
   const int block_size = p.cache.block_size;
   const int max_context = p.max_blocks_per_seq * block_size;
-  const int seq_len = min(max(p.seq_lens[b], 0), max_context);
   // The CTA's query heads, kRowHeads * group consecutive ones, as the columns of one token: warp w
-  // owns columns w * group .. w * group + group - 1 (its KV head's group).
-  const QueryColumns columns{QueryChunk{b, b, 1, 0, 1}, kRowHeads * group, head_group * kRowHeads * group, seq_len,
-                             p.num_q_heads};
+  // owns columns w * group .. w * group + group - 1 (its KV head's group). Their loads go out first:
+  // they need no sequence length, and warp 0 waits for the length and then the block ids before it
+  // issues the first copies, so loaded after those (as before session 24) they added a third memory
+  // round trip to its path to the staging barrier, which every other warp then waited at (ncu, B = 3
+  // and 8 at 256-1k tokens with 32k-token tables: that barrier and the next took 20-28 % of the
+  // busy CTAs' warp samples).
+  QueryColumns columns{QueryChunk{b, b, 1, 0, 1}, kRowHeads * group, head_group * kRowHeads * group, 0, p.num_q_heads};
+  PreloadedQuery<D, C::kColumns, C::kThreads, T> query;
+  query.load(static_cast<const T*>(p.query), columns);
+  const int seq_len = min(max(p.seq_lens[b], 0), max_context);
+  columns.seq_len = seq_len;
   const int first_column = warp * group;
   const int limit0 = 2 * c < group ? seq_len : 0, limit1 = 2 * c + 1 < group ? seq_len : 0;
   const TokenRange range = has_split ? split_token_range(seq_len, p.num_splits, split) : TokenRange{0, 0};
@@ -181,8 +188,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
   // that also publishes the mbarriers.
   float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
-  stage_query_columns<D, C::kColumns, !C::kFp8Key, C::KB, C::kPairStrideWords, C::kThreads>(
-      qs, pair_table, static_cast<const T*>(p.query), columns, p.codebook);
+  query.template stage<!C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, columns, p.codebook);
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
   const int slot_misalign = (warp * C::kSlotBytes) & 3;
