@@ -23,7 +23,6 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -86,6 +85,15 @@ def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_
         tq.store_kv(k, v, cache, torch.arange(start, start + n, device="cuda"), preset)
     order = torch.randperm(num_blocks, device="cuda", generator=g) if shuffled else torch.arange(num_blocks, device="cuda")
     return cache, order.view(b, blocks_per_seq).int()
+
+
+def with_table_tokens(cache_and_table, tokens):
+    """The block table widened to hold `tokens` tokens (padding entries: block 0, past seq_len)."""
+    cache, table = cache_and_table
+    extra = -(-tokens // BLOCK_SIZE) - table.shape[1]
+    if extra > 0:
+        table = torch.cat([table, torch.zeros(table.shape[0], extra, dtype=table.dtype, device=table.device)], dim=1)
+    return cache, table
 
 
 def sdpa_best(b, hq, hkv, length):
@@ -203,6 +211,9 @@ def main():
     p.add_argument("--presets", nargs="+", choices=list(tq.PRESETS), default=list(tq.PRESETS))
     p.add_argument("--shapes", choices=list(SHAPES), default="default")
     p.add_argument("--num-splits", type=int, default=0)
+    p.add_argument("--table-tokens", type=int, default=0,
+                   help="block tables that could hold this many tokens (a serving engine's; the extra entries are "
+                        "never read), not exactly L: the main table only")
     p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of SDPA and ours per row")
     p.add_argument("--out", default=None, help="append the markdown tables to this file")
     p.add_argument("--layers", type=int, default=None,
@@ -214,7 +225,8 @@ def main():
     copy_bw = copy_bandwidth_gbs()
     name = torch.cuda.get_device_name()
     lines = [f"Decode, D={HEAD_DIM}, block_size {BLOCK_SIZE}, {name}, copy bandwidth {copy_bw:.0f} GB/s "
-             f"(read+write); {datetime.date.today()}", "",
+             f"(read+write); {datetime.date.today()}"
+             + (f"; block tables of {a.table_tokens} tokens" if a.table_tokens else ""), "",
              "| B | Hq | Hkv | L | preset | splits | us (graph) | GB/s packed | % copy BW | SDPA bf16 us (graph, backend) "
              "| speed-up | eager us: ours / SDPA | ours' rounds, min-max us |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -224,7 +236,8 @@ def main():
         for preset in a.presets:
             slot = tq.slot_layout(preset, HEAD_DIM).slot_size_aligned
             packed = b * hkv * length * slot
-            caches = [build_cache(preset, b, hkv, length, s) for s in range(copies_to_defeat_l2(packed))]
+            caches = [with_table_tokens(build_cache(preset, b, hkv, length, s), a.table_tokens)
+                      for s in range(copies_to_defeat_l2(packed))]
             q = torch.randn(b, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
             fns = [lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, HEAD_DIM ** -0.5, a.num_splits) for c in caches]

@@ -27,8 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from bench_decode import HEAD_DIM, build_cache, sdpa_best_us  # noqa: E402
-from sweep_splits import with_table_tokens  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache, sdpa_best_us, with_table_tokens  # noqa: E402
 from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
 
 BATCHES = [1, 2, 3, 4, 8]  # 3: the first batch the row kernel takes at 8 KV heads (kMinRowKernelRows)

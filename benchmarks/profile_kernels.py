@@ -5,7 +5,7 @@
     ncu --kernel-name regex:store_kv_kernel ... python benchmarks/profile_kernels.py store
 
 decode: bench_decode's packed cache and query at --shape (default (32, 32, 8, 8192)); --table-tokens
-widens its block table to a serving engine's (sweep_splits.with_table_tokens), --splits forces a count.
+widens its block table to a serving engine's (bench_decode.with_table_tokens), --splits forces a count.
 varlen: one sequence of L = --shape's L cached tokens with a --q-len token continuation chunk
 (decode_varlen; the library picks the kernel by shape unless TURBOQUANT_VARLEN_KERNEL is set).
 store: bench_store's 65,536 tokens x 8 KV heads x D=128 bf16 into a paged cache at random slots.
@@ -20,9 +20,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from bench_decode import HEAD_DIM, build_cache  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache, with_table_tokens  # noqa: E402
 from bench_store import BLOCK_SIZE, HEADS  # noqa: E402
-from sweep_splits import with_table_tokens  # noqa: E402
 
 
 def decode_step(a):

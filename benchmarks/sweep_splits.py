@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
-from bench_decode import BLOCK_SIZE, HEAD_DIM, build_cache  # noqa: E402
+from bench_decode import HEAD_DIM, build_cache, with_table_tokens  # noqa: E402
 from timing import append_markdown, copies_to_defeat_l2, graph_replays, time_us  # noqa: E402
 
 # Batch 1..16 at GQA 4 and 8 KV heads: 8..128 CTAs before splitting, so the default picks 33..2.
@@ -32,15 +32,6 @@ SHORT_SHAPES = [(1, 32, 8, 256), (1, 32, 8, 512), (1, 32, 8, 1024), (2, 32, 8, 1
                 (8, 32, 8, 1024), (1, 32, 8, 2048), (2, 32, 8, 2048), (1, 32, 8, 4096), (2, 32, 8, 4096)]
 SHORT_SPLITS = [0, 1, 2, 4, 8, 16, 32]
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
-
-
-def with_table_tokens(cache_and_table, tokens):
-    """The block table widened to hold `tokens` tokens (padding entries: block 0, past seq_len)."""
-    cache, table = cache_and_table
-    extra = -(-tokens // BLOCK_SIZE) - table.shape[1]
-    if extra > 0:
-        table = torch.cat([table, torch.zeros(table.shape[0], extra, dtype=table.dtype, device=table.device)], dim=1)
-    return cache, table
 
 
 def main():
