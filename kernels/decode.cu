@@ -513,7 +513,7 @@ static bool merge_splits_in_cluster() {
 }
 
 // Whether the per-head kernel of configuration C merges p's splits inside clusters: the launcher
-// and the workspace query (single_kernel_uses_split_workspace) ask this one question.
+// and the workspace query (decode_workspace_splits) ask this one question.
 template <class C, typename T>
 bool merges_in_cluster(const DecodeParams& p) {
   return p.num_splits == kClusterSplits && merge_splits_in_cluster() &&

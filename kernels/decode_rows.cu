@@ -65,7 +65,7 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kOutBytes = kWarps * kDecodeColumns * D * 4;
   static constexpr int kScratchBytes = cdiv(std::max(kRingBytes, std::max(kQueryBytes, kOutBytes)), 128) * 128;
   // The query columns sit at the scratch region's end, so the stages below them can take their
-  // tiles while the queries are staged: tiles 0 .. early_tiles(half) - 1 are issued first thing.
+  // tiles while the queries are staged: tiles 0 .. early_tiles(half) - 1 are issued before it.
   static constexpr int kQueryOffset = kScratchBytes - kQueryBytes;
   static constexpr int early_tiles(int half) {
     const int below = kQueryOffset - half * kHalfRingBytes;  // bytes of the half's ring below qs
@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
     }
   };
   // The first tiles' copies go out before the query staging, into stages clear of qs: their
-  // memory latency overlaps the query loads, the rotation and the pair table.
+  // memory latency overlaps the rest of the query loads' (issued first, above), the rotation and
+  // the pair table.
   if (warp == 0) {
     for (int t = 0; t < C::early_tiles(half) && t < num_tiles; ++t) produce(t, ids);
   }

@@ -26,7 +26,7 @@ constexpr int kMaxDevices = 64;  // per-device caches of the kernels' one-time s
 
 // Every kernel with a shared-memory opt-in (decode, store) and the split merge prefer the SM's
 // largest shared-memory carveout, the one the decode kernels need anyway; without a preference the
-// driver picks one per kernel, the merge (no shared memory) a smaller one, and launching a kernel
+// driver picks one per kernel, the merge (3 KB of shared memory) a smaller one, and launching a kernel
 // whose carveout preference differs from the last "may insert a device-side synchronization point"
 // (CUDA driver API, cuKernelSetCacheConfig). Measured (H200, session 24 call 4, the same build
 // with TURBOQUANT_SMEM_CARVEOUT=auto (the driver's choice) and =max in alternating runs, 4bit_nc,

@@ -100,7 +100,7 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   sanitize synccheck synccheck "$small" $files &
   # The row-staged decode kernel, forced: its bulk copies, mbarriers and shared ring (subprocess
   # reruns and graph capture left out).
-  rows="not each_decode_kernel and not refuses and not graph and ((matches_cpu and not 7 and not 3) or several or masks or past)"
+  rows="not each_decode_kernel and not refuses and not graph and ((matches_cpu and not 7 and not 3) or several or masks or past or serving)"
   TURBOQUANT_DECODE_KERNEL=rows sanitize rows_memcheck memcheck "$rows" tests/python/test_decode_rows.py &
   TURBOQUANT_DECODE_KERNEL=rows sanitize rows_racecheck racecheck "$rows and not dtypes" tests/python/test_decode_rows.py &
 fi

@@ -176,8 +176,9 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
 // 37.2); and with a serving engine's 32k-token block tables, where a shape-only choice cannot see
 // that sequences are short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2
 // L=1k 9.8 vs 13.5). With those tables batches of 3-8 still take the row kernel at every length:
-// at 256-1k tokens it took 12.2-17.6 us where the per-head kernel took 9.4-15.1, at 16k-32k the
-// row kernel is 13-25 % faster (H200, sessions 22-24). A mixed decode that launched both kernels,
+// at 256-1k tokens it took 12.1-17.6 us where the per-head kernel took 9.4-15.1; at 16k-32k the
+// row kernel takes 0-24 % less time (the same at B=3 16k, 13-24 % less at B=8; 4bit_nc, H200,
+// sessions 22-24). A mixed decode that launched both kernels,
 // each sequence taking one by its own length on the device, lost at every shape but B=3-8 at
 // 256-1k (1-45 % slower elsewhere, session 23) and was removed (benchmarks/RESULTS.md, session 24).
 constexpr int kMinRowKernelRows = 3;

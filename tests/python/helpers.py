@@ -83,12 +83,14 @@ def store_fp16_extremes(preset: str, head_dim: int = 128):
 
 def poison_next_allocations(out_like: torch.Tensor, workspace: bool = False) -> None:
     """NaN left in freed blocks of the caching allocator that the next allocations reuse: one of
-    out_like's size (the output takes it) and, with `workspace`, ~1 MB of the small pool (the split
-    workspace comes from it). An output element, log-sum-exp or partial vector the decode should
-    have written and did not then shows up as NaN. Call it once the inputs are on the GPU."""
+    out_like's size (the output takes it) and, with `workspace`, ~1 MB of the small pool and 8 MB of
+    the large one (a split workspace comes from either, by its size). An output element,
+    log-sum-exp or partial vector the decode should have written and did not then shows up as NaN.
+    Call it once the inputs are on the GPU."""
     junk = [torch.full_like(out_like, float("nan"))]
     if workspace:
         junk.append(torch.full(((1 << 18) - 64,), float("nan"), device=out_like.device))
+        junk.append(torch.full((1 << 21,), float("nan"), device=out_like.device))
     del junk
 
 

@@ -287,12 +287,7 @@ SERVING_LENS = [0, 1, 40, 256, 700, 3000]
     # every row past 128 tokens takes both CTAs of its cluster.
     ("turboquant_4bit_nc", 4, SERVING_LENS + [5000, 129, 127, 2048, 300, 16, 7000, 900, 64, 1100, 2, 4096, 650,
                                               3333, 200, 1, 12000, 77, 510]),
-    # 8 KV heads and 3 or more rows: the row kernel by shape (on sm_90), every row divided over the
-    # grid's splits (many find no tokens), every preset; short and long rows side by side.
-    ("turboquant_4bit_nc", 8, [0, 1, 2047, 2048, 4000, 130]),
-    ("turboquant_k8v4", 8, [5000, 3071, 3072, 100]),
-    ("turboquant_3bit_nc", 8, [40, 700, 256]),
-    ("turboquant_k3v4_nc", 8, [9000, 4100, 5000, 4096, 6000]),
+    # 8 KV heads at 3 or more rows take the row kernel on sm_90: test_decode_rows.py's serving-table test.
 ])
 def test_decode_serving_block_tables(preset, heads, lens):
     """Block tables sized for 32k tokens, as a serving engine allocates them for its longest model

@@ -14,7 +14,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with
+from helpers import captured_decode, make_paged_batch, poisoned_cuda_decode, rerun_tests_with, serving_table
 from reference import rel_err
 
 pytestmark = requires_cuda
@@ -32,10 +32,35 @@ def test_rows_decode_matches_cpu(preset, head_dim, group, num_splits):
     cache, bt, sl, _, _ = make_paged_batch(SEQ_LENS, 16, heads, head_dim, preset, seed=group + head_dim)
     q = torch.randn(len(SEQ_LENS), heads * group, head_dim).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, num_splits)
-    out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits)
+    out = poisoned_cuda_decode(q, cache, bt, sl, preset, head_dim ** -0.5, num_splits, workspace=True)
     assert not out.isnan().any()
     assert (out[0] == 0).all()  # seq_len 0
     assert rel_err(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("preset, lens", [
+    ("turboquant_4bit_nc", [0, 1, 2047, 2048, 4000, 130]),
+    ("turboquant_k8v4", [5000, 3071, 3072, 100]),
+    ("turboquant_3bit_nc", [40, 700, 256]),
+    ("turboquant_k3v4_nc", [9000, 4100, 5000, 4096, 6000]),
+])
+def test_rows_decode_serving_block_tables(preset, lens):
+    """Block tables sized for 32k tokens, as a serving engine allocates them: the row kernel (8 KV
+    heads, 3 or more rows) divides every row over the grid's splits, so most CTAs of a short row
+    find no tokens and leave after marking their partial empty (-inf), and a row of length 0 has
+    no CTA with tokens at all. Each sequence against the CPU, the output and the workspace poisoned
+    with NaN first; the file's rerun with the row kernel forced proves it ran."""
+    head_dim = 128
+    cache, bt, sl, _, _ = make_paged_batch(lens, 16, 8, head_dim, preset, seed=len(lens))
+    q = torch.randn(len(lens), 32, head_dim).half()
+    ref = tq.decode(q.float(), cache, bt, sl, preset, head_dim ** -0.5, 1)
+    out = poisoned_cuda_decode(q, cache, serving_table(bt, cache), sl, preset, head_dim ** -0.5, 0, workspace=True)
+    assert not out.isnan().any()
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert (out[i] == 0).all()
+        else:
+            assert rel_err(out[i], ref[i]) <= 2e-3, (i, n)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
