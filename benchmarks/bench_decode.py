@@ -1,7 +1,7 @@
 """Decode benchmark: turboquant decode on the packed paged cache vs torch SDPA bf16 on a dense
 cache of the same shape (best of its backends), in one process, plus the copy bandwidth.
 
-    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab|short|fill] [--rounds 5] [--out results.md]
+    python benchmarks/bench_decode.py [--presets ...] [--shapes default|quick|small|ab|short|fill|...] [--table-tokens N] [--rounds 5] [--out results.md]
 
 Times are GPU times: each call is captured in a CUDA graph and the graphs are replayed in rotation,
 so small shapes measure the kernels rather than Python and launch overhead. Ours and SDPA's graphs
@@ -216,6 +216,8 @@ def main():
                         "never read), not exactly L: the main table only")
     p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of SDPA and ours per row")
     p.add_argument("--out", default=None, help="append the markdown tables to this file")
+    p.add_argument("--no-short-table", action="store_true",
+                   help="only the table of --shapes (A/B runs of shapes that the short-context table does not cover)")
     p.add_argument("--layers", type=int, default=None,
                    help="decode steps per graph of a second short-context table (0: none; default 16 with "
                         "--shapes short, else 0)")
@@ -255,6 +257,8 @@ def main():
         del sdpa_replays
         torch.cuda.empty_cache()
     append_markdown(a.out, lines)  # each table as it is done: a later one cut short by a timeout loses only itself
+    if a.no_short_table:
+        return
     append_markdown(a.out, short_context_lines(a.rounds))
     if layers:
         append_markdown(a.out, short_context_lines(a.rounds, layers))

@@ -10,7 +10,8 @@
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
 # a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
-# default 2; AB_TABLE_TOKENS=<n> gives the decode table's caches block tables of n tokens (a serving engine's);
+# default 2; AB_TABLE_TOKENS=<n> gives the decode table's caches block tables of n tokens (a serving engine's)
+# and leaves out bench_decode's short-context table (exact tables);
 # AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
@@ -249,7 +250,7 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
     for i in "${!trees[@]}"; do
       tree=${trees[$i]}; label=${labels[$i]}; mark_step "ab_${label}_$round"
       (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" \
-        --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS} --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
+        --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table} --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
         { [ "${AB_STORE:-0}" = 0 ] || for store_args in ${AB_STORE_ARGS:---heads,8}; do timeout 150 "$PYTHON" benchmarks/bench_store.py \
         --presets ${AB_STORE_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${store_args//,/ } --out "$out_abs/ab_store_$label.md" || exit 1; done; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
