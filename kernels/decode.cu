@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   }
   if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
-    // weighs a -inf log-sum-exp 0 and never reads the partial vector, so nothing else is needed.
+    // weighs a -inf log-sum-exp 0 and ignores the partial vector (unwritten), so nothing else is needed.
     if (tid < num_columns) {
       p.partial_lse[out_row(tid) * p.num_splits + split] = -INFINITY;
     }

@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   const int num_tiles = range.end > range.begin ? cdiv(range.end - range.begin, kTokenTile) : 0;
   // A CTA whose first split finds no tokens has none in its others either (later splits start
   // later): a short sequence in a block table sized for long ones. Where a merge follows, its
-  // partial is marked empty (-inf log-sum-exps: the merge weighs it 0 and never reads the vectors)
+  // partial is marked empty (-inf log-sum-exps: the merge weighs it 0 and ignores the vectors)
   // and it leaves before the set-up, as the per-head kernel's empty CTAs do; they ran the whole
   // set-up and epilogue and stored zero partials (16 KB per CTA at D = 128 and GQA 4; ncu, B = 3
   // L = 256 with 32k-token tables, session 24: 120 of the 132 CTAs, most of the warp samples).
