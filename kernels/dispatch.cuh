@@ -32,7 +32,8 @@ constexpr int kMaxDevices = 64;  // per-device caches of the kernels' one-time s
 // with TURBOQUANT_SMEM_CARVEOUT=auto (the driver's choice) and =max in alternating runs, 4bit_nc,
 // 32k-token tables, B = 3-8 at 256-4k tokens): graph steps 0.1-0.4 us faster in 9 of 10 (shape,
 // round) pairs and 0.1 slower in one; with an exact table B=1 L=1k 10.4 -> 9.2; the kernels' own
-// spans unchanged; eager steps mostly 46-50 -> 25-30 us. Once per kernel and device;
+// spans unchanged (eager steps fell from 46-50 to 25-30 us there, but were 42-46 again in a later
+// call: host-bound and bimodal, not counted). Once per kernel and device;
 // TURBOQUANT_SMEM_CARVEOUT=auto (read once per process) leaves the choice to the driver.
 template <auto Kernel>
 void prefer_max_shared_carveout() {
