@@ -17,7 +17,7 @@
 //     kernel once per step.
 // So the dequantize work per tile is paid once per 64 columns instead of once per 8. Head dims
 // 64 and 128, GQA groups up to 8. launch_decode takes it for varlen queries once the average
-// sequence fills half of its 64 columns (use_chunked_varlen, decode.cu; measured in RESULTS.md).
+// sequence fills half of its 64 columns (use_chunked_varlen, decode_plan.cu; measured in RESULTS.md).
 #include <cuda_runtime.h>
 
 #include <cmath>

@@ -14,8 +14,6 @@
 
 namespace turboquant {
 
-constexpr int kDecodeWarps = 8;  // per CTA, in both decode kernels
-constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 // Splits merged inside a cluster (merge_cluster_splits): exactly two. Measured (H200, graph replay, session
 // 18, against the merge kernel in the same build): 2-CTA clusters at B = 8, L = 1k (128 CTAs) took

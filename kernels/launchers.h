@@ -137,6 +137,14 @@ int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for 4-bit keys (one
 int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)
 cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream);
 
+// The per-head decode kernel (decode.cu): one CTA (8 warps) per (sequence or varlen chunk, KV
+// head, split), the kernel for every decode the others do not take (decode_plan.cu).
+int decode_heads_resident_ctas(const DecodeParams& p);  // CTAs per SM
+int decode_head_chunks(const DecodeParams& p);  // CTAs per KV head: GQA groups of more than 8 take several
+int decode_query_chunks(const DecodeParams& p);  // grid y: sequences, or varlen chunks of query tokens
+bool decode_heads_merge_in_cluster(const DecodeParams& p);  // its splits merge inside clusters (no workspace)
+cudaError_t launch_decode_heads(const DecodeParams& p, cudaStream_t stream);
+
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 
 }  // namespace turboquant

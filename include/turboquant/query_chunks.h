@@ -15,6 +15,8 @@
 namespace turboquant {
 
 constexpr int kDecodeColumns = 8;  // query columns per decode CTA (mma m16n8k16: N = 8)
+constexpr int kDecodeWarps = 8;    // per CTA of the decode kernels (a row-kernel CTA: per split it serves)
+constexpr int kDecodeThreads = kDecodeWarps * 32;
 
 // Query tokens per CTA for a GQA group: as many whole groups as fit in the columns. Groups
 // larger than the columns take several CTAs per token (head chunks), one token each.

@@ -168,7 +168,7 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
   // never a split of fewer than min_tokens tokens beyond the own count's, and never fewer splits
   // for a longer context (so full_context still marks where rows take the whole grid).
   for (bool fp8_keys : {false, true}) {
-    // 8 KV heads, and 1 (B = 1: a grid capped at kMaxPlannedSplits = 128 as decode.cu's planner
+    // 8 KV heads, and 1 (B = 1: a grid capped at kMaxPlannedSplits = 128 as decode_plan.cu's planner
     // caps it, below a long row's own count of 132)
     const int shapes[][2] = {{1, 8}, {2, 8}, {3, 8}, {4, 8}, {8, 8}, {17, 8}, {1, 1}, {2, 1}, {4, 1}};
     for (const auto& shape : shapes) {

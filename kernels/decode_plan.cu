@@ -1,0 +1,116 @@
+// The decode's plan from shapes alone (CUDA-graph safe): which kernel serves a decode (the
+// per-head kernel, decode.cu; the row-staged one, decode_rows.cu; the chunked varlen one,
+// decode_chunked.cu), how many splits its grid has and how each row shares them
+// (turboquant/split_plan.h), the workspace they merge through, and the launch.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "launchers.h"
+#include "turboquant/query_chunks.h"
+#include "turboquant/split_plan.h"
+
+namespace turboquant {
+
+// Which kernel serves varlen queries. The chunked kernel (decode_chunked.cu) shares each
+// dequantized tile across 64 query columns but pays its dequantize, two barriers per 64-token
+// step and a 64-column query set-up even for a few columns; the decode kernel's 8 columns win for
+// decode-like rows. Rule: the chunked kernel once the average sequence brings (token, head)
+// columns to fill half of its 64, total_q * group >= 32 * batch. Measured (H200, GQA 4, one
+// sequence, 2026-12-03, benchmarks/RESULTS.md): at 8 tokens (32 columns) the chunked kernel is
+// faster at every context (2k 30.1 vs 32.6 us, 8k 30.7 vs 39.1, 32k 73.8 vs 92.8), at 4 tokens
+// the decode kernel (32k 56.1 vs 66.2 us; 8k 3.5 us slower); the former rule (64 columns) left
+// the 8-token rows on the decode kernel. The host sees only shapes, so the choice is CUDA-graph
+// safe. TURBOQUANT_VARLEN_KERNEL=decode|chunked forces one where the chunked kernel supports the
+// shape (tests and benchmarks of each kernel; read once per process, other values warn).
+static bool use_chunked_varlen(const DecodeParams& p) {
+  if (p.query_start_loc == nullptr || !decode_chunked_supports(p)) return false;
+  // 0: by shape, 1: decode kernel, 2: chunked kernel
+  static const int forced = env_kernel_choice("TURBOQUANT_VARLEN_KERNEL", "decode", "chunked");
+  if (forced != 0) return forced == 2;
+  const int64_t group = p.num_q_heads / p.cache.num_kv_heads;
+  return 2 * static_cast<int64_t>(p.query_rows) * group >= static_cast<int64_t>(kChunkedColumns) * p.batch;
+}
+
+// The shape-only part of the per-head kernel's split rule (turboquant/split_plan.h): CTAs per
+// split from the busy CTA rows (sequences, or varlen chunks with tokens) and head chunks.
+static SplitWaves per_head_split_waves(const DecodeParams& p) {
+  const int per_sm = decode_heads_resident_ctas(p);
+  const int group = p.num_q_heads / p.cache.num_kv_heads;
+  const int busy = p.query_start_loc == nullptr ? p.batch
+                                                : varlen_busy_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(group));
+  return decode_split_waves(p.layout.key_format == KeyFormat::kFp8, busy, p.cache.num_kv_heads * decode_head_chunks(p),
+                            device_sm_count(), per_sm, kDecodeWarps);
+}
+
+// Whether a short row fills a grid sized for two CTAs per SM (SplitWaves::fill_grid,
+// row_splits_in_grid): TURBOQUANT_ROW_SPLITS=fill (the default) or own (each row keeps the count
+// of its own length, as before session 23; read once per process, for A/B runs and tests).
+static bool short_rows_fill_grid() {
+  static const int choice = env_kernel_choice("TURBOQUANT_ROW_SPLITS", "own", "fill");
+  return choice != 1;
+}
+
+constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
+
+// The per-head kernel's plan for contexts up to `capacity` tokens (the block table's): the grid's
+// splits, and each row's share of them by its own context (p.split_waves). Returns the grid's count.
+static int plan_per_head_splits(DecodeParams& p, int capacity) {
+  SplitWaves w = per_head_split_waves(p);
+  const int splits = std::min(splits_for_context(w, capacity), kMaxPlannedSplits);
+  w.fill_grid = short_rows_fill_grid();
+  w.full_context = first_context_with_splits(w, splits, capacity);  // after fill_grid, which it depends on
+  p.split_waves = w;
+  return splits;
+}
+
+// Splits fill one wave with the CTAs that have work (the per-head kernel: one or two CTAs per SM
+// by its split waves, each row taking its share of them by its own context (row_splits_in_grid); the row kernel:
+// decode_num_splits; turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
+// alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
+// too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
+// 128 tokens 3 instead of 4).
+void choose_decode_splits(DecodeParams& p) {
+  const int group = p.num_q_heads / p.cache.num_kv_heads;
+  const int max_context = p.max_blocks_per_seq * p.cache.block_size;
+  p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
+  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
+    const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
+    p.num_splits =
+        std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), kMaxPlannedSplits);
+  } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
+    // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, so no
+    // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
+    // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128. Known
+    // cost (H200, session 15): B = 1 at L = 32k takes 31.3-31.8 us in 128 paired CTAs (30.8-31.0
+    // with 256-token halves in 64) where the earlier one-split CTAs took 27.5; the shapes of 8 and
+    // more sequences gained 2-9 %. At most 128 CTAs, as other plans' 128 splits.
+    const int per_cta = decode_rows_splits_per_cta(p);
+    const int splits = per_cta * decode_num_splits(p.layout.key_format == KeyFormat::kFp8, p.batch,
+                                                   p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
+                                                   decode_rows_resident_ctas(p), 1);
+    p.num_splits = std::min(splits, kMaxPlannedSplits * per_cta);  // kMaxDecodeSplits at 2 per CTA
+  } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
+    p.num_splits = plan_per_head_splits(p, max_context);
+  }
+}
+
+// The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge
+// through it, the per-head kernel unless its splits merge in a cluster.
+int decode_workspace_splits(const DecodeParams& p) {
+  if (p.num_splits < 2) return 0;
+  if (use_chunked_varlen(p) || decode_rows_supports(p)) return p.num_splits;
+  return decode_heads_merge_in_cluster(p) ? 0 : p.num_splits;
+}
+
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
+  if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
+  if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
+  if (decode_query_chunks(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
+  if (decode_rows_supports(p)) return launch_decode_rows(p, stream);
+  if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
+  return launch_decode_heads(p, stream);
+}
+
+}  // namespace turboquant
