@@ -109,14 +109,13 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   TQ_CHECK(p.num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be at most ", kMaxDecodeSplits, ", got ",
            p.num_splits);
   at::Tensor partial_out, partial_lse;
-  const int workspace_splits = decode_workspace_splits(p);  // 0 where one split or a cluster merge needs none
-  if (workspace_splits > 0) {
+  if (decode_uses_split_workspace(p)) {  // not where one split or a cluster merge needs none
     const auto f32 = query.options().dtype(at::kFloat);
     const int64_t rows = query.size(0);
-    partial_out = at::empty({rows, a.num_q_heads, workspace_splits, a.layout.head_dim}, f32);
+    partial_out = at::empty({rows, a.num_q_heads, p.num_splits, a.layout.head_dim}, f32);
     // -inf: rows no CTA serves (outside every sequence) merge to zeros.
-    partial_lse = varlen ? at::full({rows, a.num_q_heads, workspace_splits}, -std::numeric_limits<float>::infinity(), f32)
-                         : at::empty({rows, a.num_q_heads, workspace_splits}, f32);
+    partial_lse = varlen ? at::full({rows, a.num_q_heads, p.num_splits}, -std::numeric_limits<float>::infinity(), f32)
+                         : at::empty({rows, a.num_q_heads, p.num_splits}, f32);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
   }

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   using Staging = QueryStaging<D, kHeads, kThreads>;
   static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
   T q_raw[Staging::kBatch][Staging::kPerLane];
-  Staging::load(q_raw, static_cast<const T*>(p.query), columns, 0, tid);
+  Staging::load(q_raw, static_cast<const T*>(p.query), columns, 0);
   const int raw_seq_len = p.seq_lens[b];
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
@@ -336,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     // (kQueryApart).
     uint32_t qf[C::kKSteps][2];
     auto stage_query = [&] {
-      Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0, tid);
-      if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook, tid);
+      Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
+      if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
       __syncthreads();
       device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
       if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
@@ -488,20 +488,6 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   }
 }
 
-}  // namespace
-
-int decode_head_chunks(const DecodeParams& p) {
-  return cdiv(p.num_q_heads / p.cache.num_kv_heads, kHeads);
-}
-
-// Grid y: one CTA row per sequence (plain decode) or per chunk of query tokens (varlen).
-int decode_query_chunks(const DecodeParams& p) {
-  if (p.query_start_loc == nullptr) return p.batch;
-  return varlen_query_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
-}
-
-namespace {
-
 // Once per instantiation and device: the shared memory opt-in and the resident CTAs.
 template <class C, typename T>
 KernelResidency prepare_decode_kernel() {
@@ -517,7 +503,7 @@ static bool merge_splits_in_cluster() {
 }
 
 // Whether the per-head kernel of configuration C merges p's splits inside clusters: the launcher
-// and the workspace query (decode_workspace_splits) ask this one question.
+// and the workspace query (decode_uses_split_workspace) ask this one question.
 template <class C, typename T>
 bool merges_in_cluster(const DecodeParams& p) {
   return p.num_splits == kClusterSplits && merge_splits_in_cluster() &&
@@ -606,6 +592,16 @@ cudaError_t visit_decode_config(const DecodeParams& p, const Visit& visit) {
 }  // namespace
 
 // The per-head kernel's answers to the planner (decode_plan.cu).
+int decode_head_chunks(const DecodeParams& p) {
+  return cdiv(p.num_q_heads / p.cache.num_kv_heads, kHeads);
+}
+
+// Grid y: one CTA row per sequence (plain decode) or per chunk of query tokens (varlen).
+int decode_query_chunks(const DecodeParams& p) {
+  if (p.query_start_loc == nullptr) return p.batch;
+  return varlen_query_chunks(p.query_rows, p.batch, varlen_tokens_per_cta(p.num_q_heads / p.cache.num_kv_heads));
+}
+
 int decode_heads_resident_ctas(const DecodeParams& p) {
   int per_sm = 1;
   visit_decode_config(p, ResidentCtas{&per_sm});

@@ -144,11 +144,10 @@ struct QueryStaging {
   static_assert(kColumns <= 64, "load: the division-free column -> token");
 
   // Issues the loads of the batch of this warp's columns from its c0-th column on (lane: dims lane + 32e).
-  // `thread`: the thread's index among the kThreads that stage (the CTA's, or its half's).
   template <typename T>
   __device__ __forceinline__ static void load(T (&raw)[kBatch][kPerLane], const T* query, const QueryColumns& columns,
-                                              int c0, int thread = threadIdx.x) {
-    const int warp = thread >> 5, lane = thread & 31;
+                                              int c0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
       const int j = warp + (c0 + c) * kWarps;
@@ -162,8 +161,8 @@ struct QueryStaging {
   // The loaded batch -> qs, rotated for Lloyd-Max keys.
   template <bool kLloydMax, typename T>
   __device__ __forceinline__ static void store(float* qs, const T (&raw)[kBatch][kPerLane], const QueryColumns& columns,
-                                               int c0, int thread = threadIdx.x) {
-    const int warp = thread >> 5, lane = thread & 31;
+                                               int c0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
       const int j = warp + (c0 + c) * kWarps;
@@ -184,13 +183,12 @@ struct QueryStaging {
 // replicas per 16-byte store (pair_table is 16-byte aligned): 8 stores per thread for 4-bit keys
 // instead of 32 single-word ones, a quarter of the centroid reads.
 template <int kKeyBits, int kPairStrideWords, int kThreads>
-__device__ __forceinline__ void stage_pair_table(uint32_t* pair_table, const Codebook& codebook,
-                                                 int thread = threadIdx.x) {
+__device__ __forceinline__ void stage_pair_table(uint32_t* pair_table, const Codebook& codebook) {
   constexpr uint32_t mask = (1u << kKeyBits) - 1u;
   constexpr int kQuads = (1 << (2 * kKeyBits)) * 32 / 4;
   static_assert(kQuads % kThreads == 0, "whole rounds of quads");
 #pragma unroll 2
-  for (int i = thread; i < kQuads; i += kThreads) {
+  for (int i = threadIdx.x; i < kQuads; i += kThreads) {
     const uint32_t pair = static_cast<uint32_t>(i) >> 3;  // words 4i .. 4i + 3: replicas of one pair
     const uint32_t w = pack_half2(codebook.centroid[pair & mask], codebook.centroid[pair >> kKeyBits]);
     const int at = kPairStrideWords == 32 ? i : static_cast<int>(pair) * (kPairStrideWords / 4) + (i & 7);

@@ -97,10 +97,10 @@ void choose_decode_splits(DecodeParams& p) {
 
 // The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge
 // through it, the per-head kernel unless its splits merge in a cluster.
-int decode_workspace_splits(const DecodeParams& p) {
-  if (p.num_splits < 2) return 0;
-  if (use_chunked_varlen(p) || decode_rows_supports(p)) return p.num_splits;
-  return decode_heads_merge_in_cluster(p) ? 0 : p.num_splits;
+bool decode_uses_split_workspace(const DecodeParams& p) {
+  if (p.num_splits < 2) return false;
+  if (use_chunked_varlen(p) || decode_rows_supports(p)) return true;
+  return !decode_heads_merge_in_cluster(p);
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {

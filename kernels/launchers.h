@@ -114,9 +114,9 @@ constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) 
 // The library's split plan for these shapes on the current device: sets p.num_splits and, where
 // the per-head kernel serves p, p.split_waves (each row's share of the grid by its context).
 void choose_decode_splits(DecodeParams& p);
-// Partials per row of the workspace launch_decode(p) uses, p.partial_out and p.partial_lse (0: none,
-// for one split or where the per-head kernel merges its splits inside a cluster): p.num_splits.
-int decode_workspace_splits(const DecodeParams& p);
+// Whether launch_decode(p) uses p.partial_out and p.partial_lse (sized for p.num_splits partials
+// per row): not for one split, nor where the per-head kernel merges its splits inside a cluster.
+bool decode_uses_split_workspace(const DecodeParams& p);
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);

@@ -110,23 +110,21 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
   return filled > 1 && tiles_per_warp < min_tiles_two_per_sm(w.tokens_per_pass / kTokenTile) ? one : filled;
 }
 
-// How many of a grid of `grid_splits` splits a row of `context` tokens takes (the per-head decode
-// kernel, on the device, where the library chose the count): its own count (splits_for_context),
-// except where that fills one CTA per SM (w.one_per_sm) while the grid is larger, which the rule
-// gives only where a longer capacity (a serving engine's block tables) called for two per SM, and
-// w.fill_grid is set: then the whole grid, capped so each split keeps w.min_tokens. Per SM that
-// is never more work than before: at most two CTAs with half the tokens each where one CTA held
-// them all. Not measured where one_per_sm is clamped to 1 (67-132 CTAs per split, e.g. B = 17-33
-// at 4 KV heads: every row past 128 tokens takes both CTAs of a 2-split cluster). Why: the block scheduler does not give a grid's first CTAs
-// one SM each. In a grid of 8 x 33 CTAs at two per SM the first 128 in launch order landed on
-// 120 SMs, 8 of them holding two (benchmarks/probes/cta_placement_probe.cu, H200, session 23),
-// and a decode CTA nearly fills an SM alone, so those 8 SMs set the time: B = 1 with 32k-token
-// tables, the decode kernel took 18.1 us at L = 16k (16 splits with tokens) where a grid of
-// exactly those 16 splits took 12.5, and 9.0 against 6.7 at 4k. With this rule (two per SM on
-// every SM, an even load; H200, session 23, bench_serving.py and sweep_splits.py --table-tokens
-// 32768, 4bit_nc): 18.3 us per step at 16k against 23.9, 15.4 at 8k against 17.9, 11.8 at 4k
-// against 13.1-14.4; B = 2 and FP8 keys unchanged. A row short enough to take fewer than one CTA
-// per SM keeps its count (64 busy CTAs of 264 landed on 64 SMs).
+// How many of a grid of `grid_splits` splits a row of `context` tokens takes (the per-head decode kernel, on the
+// device, where the library chose the count): its own count (splits_for_context), except where that fills one CTA
+// per SM (w.one_per_sm) while the grid is larger, which the rule gives only where a longer capacity (a serving
+// engine's block tables) called for two per SM, and w.fill_grid is set: then the whole grid, capped so each split
+// keeps w.min_tokens. Per SM that is never more work than before: at most two CTAs with half the tokens each where
+// one CTA held them all. Not measured where one_per_sm is clamped to 1 (67-132 CTAs per split, e.g. B = 17-33 at 4
+// KV heads: every row past 128 tokens takes both CTAs of a 2-split cluster). Why: the block scheduler does not
+// give a grid's first CTAs one SM each. In a grid of 8 x 33 CTAs at two per SM the first 128 in launch order
+// landed on 120 SMs, 8 of them holding two (benchmarks/probes/cta_placement_probe.cu, H200, session 23), and a
+// decode CTA nearly fills an SM alone, so those 8 SMs set the time: B = 1 with 32k-token tables, the decode kernel
+// took 18.1 us at L = 16k (16 splits with tokens) where a grid of exactly those 16 splits took 12.5, and 9.0
+// against 6.7 at 4k. With this rule (two per SM on every SM, an even load; H200, session 23, bench_serving.py and
+// sweep_splits.py --table-tokens 32768, 4bit_nc): 18.3 us per step at 16k against 23.9, 15.4 at 8k against 17.9,
+// 11.8 at 4k against 13.1-14.4; B = 2 and FP8 keys unchanged. A row short enough to take fewer than one CTA per SM
+// keeps its count (64 busy CTAs of 264 landed on 64 SMs).
 TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) {
   const int own = splits_for_context(w, context);
   if (w.fill_grid && own >= w.one_per_sm && grid_splits > own) {
@@ -164,23 +162,21 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
       decode_split_waves(fp8_keys, batch, ctas_per_split, sm_count, resident_per_sm, warps_per_range), max_context);
 }
 
-// Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) takes a plain
-// decode it supports: where the batch has at least kMinRowKernelRows (sequence, 8-head group) rows
-// and the kernel can put CTAs on at least half of the SMs (rows x the most splits the context allows).
-// Measured (H200, session 9, benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs)
-// it took 19-25 us under graph replay where the per-head kernel took 11-17; from 128 possible CTAs
-// up (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Since session 21 (the per-head kernel's
-// aligned-row staging and two CTAs per SM at 8 tiles per warp) the per-head kernel is as fast for
-// one or two rows up to 16k tokens and within 2-11 % at 32k: B=1 L=32k 23.6 vs 24.4 us, B=2 L=16k
-// 23.7 vs 24.6 (4bit_nc; k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs
-// 37.2); and with a serving engine's 32k-token block tables, where a shape-only choice cannot see
-// that sequences are short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2
-// L=1k 9.8 vs 13.5). With those tables batches of 3-8 still take the row kernel at every length:
-// at 256-1k tokens it took 12.1-17.6 us where the per-head kernel took 9.4-15.1; at 16k-32k the
-// row kernel takes 0-24 % less time (the same at B=3 16k, 13-24 % less at B=8; 4bit_nc, H200,
-// sessions 22-24). A mixed decode that launched both kernels,
-// each sequence taking one by its own length on the device, lost at every shape but B=3-8 at
-// 256-1k (1-45 % slower elsewhere, session 23) and was removed (benchmarks/RESULTS.md, session 24).
+// Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) takes a plain decode it supports:
+// where the batch has at least kMinRowKernelRows (sequence, 8-head group) rows and the kernel can put CTAs on at
+// least half of the SMs (rows x the most splits the context allows). Measured (H200, session 9,
+// benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs) it took 19-25 us under graph replay where the
+// per-head kernel took 11-17; from 128 possible CTAs up (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Since
+// session 21 (the per-head kernel's aligned-row staging and two CTAs per SM at 8 tiles per warp) the per-head
+// kernel is as fast for one or two rows up to 16k tokens and within 2-11 % at 32k: B=1 L=32k 23.6 vs 24.4 us, B=2
+// L=16k 23.7 vs 24.6 (4bit_nc; k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs 37.2);
+// and with a serving engine's 32k-token block tables, where a shape-only choice cannot see that sequences are
+// short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2 L=1k 9.8 vs 13.5). With those tables
+// batches of 3-8 still take the row kernel at every length: at 256-1k tokens it took 12.1-17.6 us where the
+// per-head kernel took 9.4-15.1; at 16k-32k the row kernel takes 0-24 % less time (the same at B=3 16k, 13-24 %
+// less at B=8; 4bit_nc, H200, sessions 22-24). A mixed decode that launched both kernels, each sequence taking one
+// by its own length on the device, lost at every shape but B=3-8 at 256-1k (1-45 % slower elsewhere, session 23)
+// and was removed (benchmarks/RESULTS.md, session 24).
 constexpr int kMinRowKernelRows = 3;
 TQ_HD bool row_kernel_preferred(int batch, int head_groups, int max_context, int sm_count) {
   const long long rows = static_cast<long long>(batch) * head_groups;
