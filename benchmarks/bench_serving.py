@@ -9,7 +9,8 @@ forced (TURBOQUANT_DECODE_KERNEL, read once per process, hence one subprocess pe
 SDPA bf16 over a dense cache of the same length. A second table times batches of mixed lengths (no SDPA: a dense cache would pad every
 sequence to the longest).
 
-    python benchmarks/bench_serving.py [--table-tokens 32768] [--out results.md]
+    python benchmarks/bench_serving.py [--table-tokens 32768] [--batches 3 4 5] [--kernels heads rows]
+                                       [--presets ...] [--no-mixed] [--out results.md]
 
 Graph replay of one decode step, D = 128, Hq 32, Hkv 8, block size 16, auto splits; input sets
 rotated as in bench_decode.py's main table (enough to defeat the L2 from ~16 MB per set up;
@@ -52,16 +53,16 @@ def ours_us(b, length, preset, table_tokens, lens=None):
     return time_us(graph_replays(fns))
 
 
-def measure_ours(table_tokens):
+def measure_ours(table_tokens, batches, mixed, presets):
     """{"b,length,preset": us} for this process's kernel choice."""
     times = {}
-    for b in BATCHES:
+    for b in batches:
         for length in LENGTHS:
-            for preset in PRESETS:
+            for preset in presets:
                 times[f"{b},{length},{preset}"] = ours_us(b, length, preset, table_tokens)
                 torch.cuda.empty_cache()  # the shape's caches and graphs are gone with ours_us' frame
-    for lens in MIXED_BATCHES:
-        for preset in PRESETS:
+    for lens in MIXED_BATCHES if mixed else []:
+        for preset in presets:
             times[f"mixed {lens},{preset}"] = ours_us(len(lens), max(lens), preset, table_tokens, lens)
             torch.cuda.empty_cache()
     return times
@@ -71,49 +72,60 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="append the table to this markdown file")
     p.add_argument("--table-tokens", type=int, default=32768)
+    p.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=KERNELS,
+                   help="kernel choices to time (the first one is compared with SDPA)")
+    p.add_argument("--presets", nargs="+", default=PRESETS)
+    p.add_argument("--no-mixed", action="store_true", help="leave out the batches of mixed lengths")
     p.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)  # a kernel's subprocess
     a = p.parse_args()
     torch.manual_seed(0)
+    mixed = not a.no_mixed
     if a.ours_only:
-        print(json.dumps(measure_ours(a.table_tokens)))
+        print(json.dumps(measure_ours(a.table_tokens, a.batches, mixed, a.presets)))
         return
     times = {}
-    for kernel in KERNELS:
+    for kernel in a.kernels:
         env = dict(os.environ)
         env.pop("TURBOQUANT_DECODE_KERNEL", None)
         if kernel != "default":
             env[KERNEL_ENV[kernel][0]] = KERNEL_ENV[kernel][1]
         print(f"timing the {kernel} kernel choice ...", flush=True)
-        run = subprocess.run([sys.executable, __file__, "--ours-only", "--table-tokens", str(a.table_tokens)],
+        args = ["--ours-only", "--table-tokens", str(a.table_tokens), "--batches", *map(str, a.batches),
+                "--presets", *a.presets]
+        run = subprocess.run([sys.executable, __file__, *args, *(["--no-mixed"] if not mixed else [])],
                              env=env, capture_output=True, text=True)
         if run.returncode != 0:
             sys.exit(f"the {kernel} kernel's run failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
         times[kernel] = json.loads(run.stdout.strip().splitlines()[-1])
+    names = {"default": "default", "heads": "per-head forced", "rows": "row forced"}
+    columns = [names[k] for k in a.kernels]
     lines = [f"Decode with block tables of {a.table_tokens} tokens (a serving engine's), D={HEAD_DIM}, Hq {HQ}, "
-             f"Hkv {HKV}, block size 16, {torch.cuda.get_device_name()}, graph replay, us; speed-up of the default "
-             "over SDPA bf16 (dense cache of L)", "",
-             "| B | L | SDPA bf16 | preset | default | per-head forced | row forced | default vs SDPA |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Hkv {HKV}, block size 16, {torch.cuda.get_device_name()}, graph replay, us; speed-up of the "
+             f"{columns[0]} choice over SDPA bf16 (dense cache of L)", "",
+             f"| B | L | SDPA bf16 | preset | {' | '.join(columns)} | {a.kernels[0]} vs SDPA |",
+             "|---|---|---|---|" + "---|" * (len(columns) + 1)]
     print("\n".join(lines), flush=True)
-    for b in BATCHES:
+    for b in a.batches:
         for length in LENGTHS:
             sdpa, backend = sdpa_best_us(b, HQ, HKV, length, graphed=True)[2:4]
-            for preset in PRESETS:
+            for preset in a.presets:
                 key = f"{b},{length},{preset}"
-                d, h, r = (times[k][key] for k in KERNELS)
-                row = (f"| {b} | {length} | {sdpa:.1f} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
-                       f"{r:.1f} | {sdpa / d:.2f}x |")
+                us = [times[k][key] for k in a.kernels]
+                row = (f"| {b} | {length} | {sdpa:.1f} | {preset.replace('turboquant_', '')} | "
+                       f"{' | '.join(f'{t:.1f}' for t in us)} | {sdpa / us[0]:.2f}x |")
                 lines.append(row)
                 print(row, flush=True)
-    mixed = ["", "Batches of mixed lengths, the same tables, us", "",
-             "| lengths | preset | default | per-head forced | row forced |", "|---|---|---|---|---|"]
-    for lens in MIXED_BATCHES:
-        for preset in PRESETS:
-            d, h, r = (times[k][f"mixed {lens},{preset}"] for k in KERNELS)
-            mixed.append(f"| {' '.join(str(n) for n in lens)} | {preset.replace('turboquant_', '')} | {d:.1f} | {h:.1f} | "
-                         f"{r:.1f} |")
-    print("\n".join(mixed), flush=True)
-    append_markdown(a.out, lines + mixed)
+    table = ["", "Batches of mixed lengths, the same tables, us", "",
+             f"| lengths | preset | {' | '.join(columns)} |", "|---|---|" + "---|" * len(columns)]
+    for lens in MIXED_BATCHES if mixed else []:
+        for preset in a.presets:
+            us = [times[k][f"mixed {lens},{preset}"] for k in a.kernels]
+            table.append(f"| {' '.join(str(n) for n in lens)} | {preset.replace('turboquant_', '')} | "
+                         f"{' | '.join(f'{t:.1f}' for t in us)} |")
+    if mixed:
+        print("\n".join(table), flush=True)
+    append_markdown(a.out, lines + (table if mixed else []))
 
 
 if __name__ == "__main__":

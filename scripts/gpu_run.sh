@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
 # Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe cta_placement diagnose splits sanitize race_control subnormal breakdown ab ab_rows ab_merge
+#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe cta_placement diagnose splits sanitize race_control subnormal breakdown ab ab_env ab_rows ab_merge
 #   bash scripts/gpu_run.sh all               = tests bench
 # TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 520: the whole suite took over 450 s in session 20); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
 # picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on each, default 1 32 8 32768,
@@ -15,8 +15,10 @@
 # AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
-# per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); BREAKDOWN_ARGS
-# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits and splits_short with block tables of n tokens; COMMIT=<hash>
+# per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); ab_env the values of
+# any switch, AB_ENV="<variable> <default shape set> <value> <value>..." (AB_SHAPES, AB_TABLE_TOKENS apply); BREAKDOWN_ARGS
+# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits and splits_short with block tables of n tokens; SERVING_ARGS are
+# bench_serving.py's (e.g. "--batches 3 4 5 --kernels heads rows"); COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
 # the command starts: ask for everything in one call.
 set -uo pipefail
@@ -107,7 +109,9 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
 fi
 if has tests; then
   mark_step tests
-  ctest --test-dir "$BUILD_DIR" -j 8 2>&1 | tail -3
+  # Kept in $OUT too: a long pytest log pushes the verdict out of the returned tail.
+  ctest --test-dir "$BUILD_DIR" -j 8 > "$OUT/ctest.log" 2>&1 || status=1
+  tail -3 "$OUT/ctest.log"
   PYTHONPATH=python timeout "${TESTS_TIMEOUT:-520}" "$PYTHON" -m pytest ${TESTS:-tests/python} -v -rfs -n 12 --durations=12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   # -v names every result as it comes, so a run cut short by the time limit still names its
   # failures (with -q one cut-off run showed an F and no name).
@@ -151,7 +155,7 @@ if has splits_short; then  # the split count at short contexts (the per-head ker
 fi
 if has serving; then  # block tables of a serving engine (32k tokens): default vs each kernel forced vs SDPA
   mark_step serving
-  echo "== serving block tables"; PYTHONPATH=python timeout 300 "$PYTHON" benchmarks/bench_serving.py --out "$OUT/serving.md" \
+  echo "== serving block tables"; PYTHONPATH=python timeout "${SERVING_TIMEOUT:-300}" "$PYTHON" benchmarks/bench_serving.py ${SERVING_ARGS:-} --out "$OUT/serving.md" \
     2>&1 | tee "$OUT/serving.log" | grep -E "^\|" || status=1
 fi
 if has breakdown; then  # decode kernel vs split merge vs whole step (benchmarks/decode_breakdown.py)
@@ -219,11 +223,13 @@ ab_by_env() {
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in "$@"; do
       env "$variable=$value" timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-$shapes}" \
-        --presets turboquant_4bit_nc turboquant_k8v4 --out "$OUT/${step}_$value.md" > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
+        --presets turboquant_4bit_nc turboquant_k8v4 ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table} \
+        --out "$OUT/${step}_$value.md" > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
     done
   done
   for value in "$@"; do echo "== $step: $value"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/${step}_$value.md"; done
 }
+if has ab_env; then ab_by_env ab_env $AB_ENV; fi  # AB_ENV="<variable> <shape set> <value> <value>...": a switch of this build
 if has ab_merge; then ab_by_env ab_merge TURBOQUANT_SPLIT_MERGE short kernel cluster; fi  # the per-head kernel's two split merges
 if has ab_rows; then  # the two plain-decode kernels of this build (TURBOQUANT_DECODE_KERNEL)
   ab_by_env ab_rows TURBOQUANT_DECODE_KERNEL ab heads rows
