@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // issues the first copies, so loaded after those (as before session 24) they added a third memory
   // round trip to its path to the staging barrier, which every other warp then waited at (ncu, B = 3
   // and 8 at 256-1k tokens with 32k-token tables: that barrier and the next took 20-28 % of the
-  // busy CTAs' warp samples).
+  // busy CTAs' warp samples). A/B in one call (H200, session 25): B = 8 at 1k and 4k 1.1-1.2 us
+  // faster, k8v4 B = 8 L = 256 0.6; B = 3 L = 256 equal, B = 3 L = 1k 0.4 slower.
   QueryColumns columns{QueryChunk{b, b, 1, 0, 1}, kRowHeads * group, head_group * kRowHeads * group, 0, p.num_q_heads};
   PreloadedQuery<D, C::kColumns, C::kThreads, T> query;
   query.load(static_cast<const T*>(p.query), columns);
@@ -123,6 +124,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // and it leaves before the set-up, as the per-head kernel's empty CTAs do; they ran the whole
   // set-up and epilogue and stored zero partials (16 KB per CTA at D = 128 and GQA 4; ncu, B = 3
   // L = 256 with 32k-token tables, session 24: 120 of the 132 CTAs, most of the warp samples).
+  // A/B in one call (H200, session 25): B = 3 L = 256 0.65 us and B = 8 L = 256 0.9 us faster.
   if (gridDim.y > 1 && split_token_range(seq_len, p.num_splits, blockIdx.y * C::kSplitsPerCta).begin >= seq_len) {
     if (threadIdx.x < kRowHeads * group) {
       p.partial_lse[columns.row(threadIdx.x) * gridDim.y + blockIdx.y] = -INFINITY;

@@ -176,7 +176,10 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
 // per-head kernel took 9.4-15.1; at 16k-32k the row kernel takes 0-24 % less time (the same at B=3 16k, 13-24 %
 // less at B=8; 4bit_nc, H200, sessions 22-24). A mixed decode that launched both kernels, each sequence taking one
 // by its own length on the device, lost at every shape but B=3-8 at 256-1k (1-45 % slower elsewhere, session 23)
-// and was removed (benchmarks/RESULTS.md, session 24).
+// and was removed (benchmarks/RESULTS.md, session 24). Session 25 timed both kernels forced at B=3-8 with those
+// tables: per-head 1.3-3.6 us faster where every sequence is short (B=3-4 up to 4k, B=5-8 up to 1k), the row
+// kernel 3-37 us faster where the batch holds 16k-32k sequences and 4-35 % faster on every mixed-length batch,
+// which is what a serving engine's decode batch is; so 3 rows stay the threshold.
 constexpr int kMinRowKernelRows = 3;
 TQ_HD bool row_kernel_preferred(int batch, int head_groups, int max_context, int sm_count) {
   const long long rows = static_cast<long long>(batch) * head_groups;
