@@ -79,7 +79,7 @@ void choose_decode_splits(DecodeParams& p) {
     p.num_splits =
         std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), kMaxPlannedSplits);
   } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
-    // Planned in CTAs: where one CTA serves two splits (4-bit keys), whole pairs of splits, so no
+    // Planned in CTAs: where one CTA serves two splits (Lloyd-Max keys), whole pairs of splits, so no
     // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
     // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128. Known
     // cost (H200, session 15): B = 1 at L = 32k takes 31.3-31.8 us in 128 paired CTAs (30.8-31.0

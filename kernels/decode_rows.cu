@@ -1,5 +1,5 @@
 // Row-staged decode: one CTA per (sequence, 8 consecutive KV heads, split), one warp per KV head;
-// for 4-bit keys one CTA of 16 warps per (sequence, 8 KV heads, two splits), a half per split
+// for Lloyd-Max keys one CTA of 16 warps per (sequence, 8 KV heads, two splits), a half per split
 // sharing the pair table and the staged queries (RowConfig).
 //
 // The per-head decode (decode.cu) stages each KV head's 2-byte-aligned slots through 32-byte
@@ -48,8 +48,17 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   // bytes, past the SM's 233,472), so one CTA of 16 warps per SM serves two splits of the same
   // (sequence, 8 KV heads), a half of 8 warps each: the halves share the table and the staged
   // queries, and each has its own 3-stage ring (168,672 bytes at D = 128).
+  // 3-bit keys, whose 32-word table would let two CTAs of 8 warps share an SM, are served the same
+  // way: in a grid sized for two CTAs per SM the block scheduler puts some of the first CTAs in
+  // launch order, the ones with tokens when a serving engine's long block tables hold short rows,
+  // two to an SM (RESULTS.md, session 23), and one CTA per SM rules that out. The halves also share
+  // the set-up, and the merge reads one partial per CTA instead of two. Measured (H200, session 25,
+  // 3bit_nc, 32k-token tables, one build with and without): B = 3 and 8 at 256 tokens 1.1-2.6 us
+  // per step faster (B = 3: 14.5-15.9 -> 13.6), 1k 0.1-2.1, 16k-32k 0.3-2.6 (B = 8 L = 32k 106.4-
+  // 106.9 -> 103.7-104.4), 4k equal.
   static constexpr int kPairStrideWords = !kFp8Key && KB == 4 ? 64 : 32;
-  static constexpr int kSplitsPerCta = kPairStrideWords == 64 ? 2 : 1;
+  static constexpr int kSplitsPerCta = kFp8Key ? 1 : 2;
+  static_assert(kPairStrideWords == 32 || kSplitsPerCta == 2, "a 64-word pair table fits one CTA per SM");
   static constexpr int kWarps = kSplitsPerCta * kRowHeads;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kCtasPerSm = 2 / kSplitsPerCta;  // the launch bound: 128 registers per thread

@@ -51,7 +51,8 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 //     23.6 us against 16 splits' 26.4, at B=2 L=16k 16 splits (8 tiles) 23.7 against 8's 26.3;
 //     FP8 keys still lose (25.4 -> 26.5 at B=1 L=32k). Fewer tiles per warp are not measured.
 // So: two per SM only for Lloyd-Max keys whose splits keep each warp min_tiles_two_per_sm tiles:
-// 7 in the per-head kernel (session 21), 16 in the row kernel (session 9's rule, not re-measured).
+// 7 in the per-head kernel (session 21), 16 in the row kernel (session 9's rule, not re-measured; since
+// session 25 every row-kernel configuration fits one CTA per SM, so none reaches it).
 // The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
 // kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
 // Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`, session 19,

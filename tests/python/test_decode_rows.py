@@ -89,9 +89,9 @@ def test_rows_decode_several_head_groups(preset, kv_heads, head_dim):
         assert rel_err(out, ref) <= 2e-3, splits
 
 
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc"])
 def test_rows_decode_folds_a_ctas_two_splits(preset):
-    """A 4-bit-key CTA serves two splits and folds their results into one partial (none where its
+    """A Lloyd-Max-key CTA (4- and 3-bit keys) serves two splits and folds their results into one partial (none where its
     two are the row's only splits: 2 writes the output directly; 3 leaves the last CTA's second
     half without a split); the merge then combines one partial per CTA, over dim slices from 64
     partials up (256: 128 CTAs per row). 150 sequences of 0 to 3000 tokens, so short ones leave
