@@ -53,9 +53,9 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   // launch order, the ones with tokens when a serving engine's long block tables hold short rows,
   // two to an SM (RESULTS.md, session 23), and one CTA per SM rules that out. The halves also share
   // the set-up, and the merge reads one partial per CTA instead of two. Measured (H200, session 25,
-  // 3bit_nc, 32k-token tables, one build with and without): B = 3 and 8 at 256 tokens 1.1-2.6 us
-  // per step faster (B = 3: 14.5-15.9 -> 13.6), 1k 0.1-2.1, 16k-32k 0.3-2.6 (B = 8 L = 32k 106.4-
-  // 106.9 -> 103.7-104.4), 4k equal.
+  // 3bit_nc, 32k-token tables, one build with and without): B = 3 and 8 at 256 tokens 0.9-2.6 us
+  // per step faster (B = 3: 14.5-15.9 -> 13.6), 1k 0.1-2.1, 16k-32k 0.1-2.7 (0.3-3.3 %; B = 8
+  // L = 32k 106.4-106.9 -> 103.7-104.4), 4k equal within 0.3.
   static constexpr int kPairStrideWords = !kFp8Key && KB == 4 ? 64 : 32;
   static constexpr int kSplitsPerCta = kFp8Key ? 1 : 2;
   static_assert(kPairStrideWords == 32 || kSplitsPerCta == 2, "a 64-word pair table fits one CTA per SM");
@@ -363,8 +363,11 @@ struct RowsResidentCtas {
   int* per_sm;
   template <class C, typename T>
   cudaError_t run() const {
+    // At most the configuration's design (C::kCtasPerSm): a 16-warp CTA of two splits is planned one
+    // per SM even where a future build's register count would let two fit, since a grid of at most
+    // one CTA per SM is what keeps the scheduler from pairing busy CTAs (RowConfig).
     const int n = prepare_rows_kernel<C, T>().per_sm;
-    *per_sm = n > 0 ? n : 1;
+    *per_sm = std::min(n > 0 ? n : 1, C::kCtasPerSm);
     return cudaSuccess;
   }
 };

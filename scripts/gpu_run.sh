@@ -16,7 +16,7 @@
 # for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
 # (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
 # per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); ab_env the values of
-# any switch, AB_ENV="<variable> <default shape set> <value> <value>..." (AB_SHAPES, AB_TABLE_TOKENS apply); BREAKDOWN_ARGS
+# any switch, AB_ENV="<variable> <default shape set> <value> <value>..." (AB_SHAPES, AB_PRESETS, AB_TABLE_TOKENS apply); BREAKDOWN_ARGS
 # (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits and splits_short with block tables of n tokens; SERVING_ARGS are
 # bench_serving.py's (e.g. "--batches 3 4 5 --kernels heads rows"); COMMIT=<hash>
 # names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
@@ -223,13 +223,15 @@ ab_by_env() {
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in "$@"; do
       env "$variable=$value" timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-$shapes}" \
-        --presets turboquant_4bit_nc turboquant_k8v4 ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table} \
+        --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table} \
         --out "$OUT/${step}_$value.md" > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
     done
   done
   for value in "$@"; do echo "== $step: $value"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/${step}_$value.md"; done
 }
-if has ab_env; then ab_by_env ab_env $AB_ENV; fi  # AB_ENV="<variable> <shape set> <value> <value>...": a switch of this build
+if has ab_env; then  # AB_ENV must name the variable, a shape set and at least one value
+  if [ "$(wc -w <<< "${AB_ENV:-}")" -ge 3 ]; then ab_by_env ab_env $AB_ENV; else echo "ab_env: AB_ENV=\"<variable> <shape set> <value>...\" is needed"; status=1; fi
+fi
 if has ab_merge; then ab_by_env ab_merge TURBOQUANT_SPLIT_MERGE short kernel cluster; fi  # the per-head kernel's two split merges
 if has ab_rows; then  # the two plain-decode kernels of this build (TURBOQUANT_DECODE_KERNEL)
   ab_by_env ab_rows TURBOQUANT_DECODE_KERNEL ab heads rows

@@ -52,7 +52,8 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 //     FP8 keys still lose (25.4 -> 26.5 at B=1 L=32k). Fewer tiles per warp are not measured.
 // So: two per SM only for Lloyd-Max keys whose splits keep each warp min_tiles_two_per_sm tiles:
 // 7 in the per-head kernel (session 21), 16 in the row kernel (session 9's rule, not re-measured; since
-// session 25 every row-kernel configuration fits one CTA per SM, so none reaches it).
+// session 25 the row kernel's Lloyd-Max configurations are one CTA per SM and FP8 keys are planned one per
+// SM, so none reaches it).
 // The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
 // kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
 // Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`, session 19,
