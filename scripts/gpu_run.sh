@@ -215,6 +215,8 @@ if has profile_varlen; then  # the chunked varlen kernel on a long and a short c
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
 fi
+# bench_decode.py's presets and tables in every A/B step (ab_by_env's and ab's).
+ab_decode_args="--presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table}"
 # bench_decode.py on this build under each value of an environment switch, alternating processes
 # for AB_ROUNDS rounds: ab_by_env <step> <variable> <default shape set> <values...>
 ab_by_env() {
@@ -223,7 +225,7 @@ ab_by_env() {
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in "$@"; do
       env "$variable=$value" timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-$shapes}" \
-        --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table} \
+        $ab_decode_args \
         --out "$OUT/${step}_$value.md" > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
     done
   done
@@ -258,7 +260,7 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
     for i in "${!trees[@]}"; do
       tree=${trees[$i]}; label=${labels[$i]}; mark_step "ab_${label}_$round"
       (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" \
-        --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table} --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
+        $ab_decode_args --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
         { [ "${AB_STORE:-0}" = 0 ] || for store_args in ${AB_STORE_ARGS:---heads,8}; do timeout 150 "$PYTHON" benchmarks/bench_store.py \
         --presets ${AB_STORE_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${store_args//,/ } --out "$out_abs/ab_store_$label.md" || exit 1; done; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
