@@ -8,7 +8,8 @@
 # PROFILE_ARGS adds profile_kernels.py options, e.g. "--table-tokens 32768"); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
 # each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
 # continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
-# a shape set of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; AB_PRESETS,
+# shape sets of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; "<set>@<n>" gives one set tables of n tokens;
+# AB_SHORT_TABLE=0 leaves out the short-context table; AB_PRESETS,
 # default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
 # default 2; AB_TABLE_TOKENS=<n> gives the decode table's caches block tables of n tokens (a serving engine's)
 # and leaves out bench_decode's short-context table (exact tables);
@@ -216,7 +217,21 @@ if has profile_varlen; then  # the chunked varlen kernel on a long and a short c
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
 fi
 # bench_decode.py's presets and tables in every A/B step (ab_by_env's and ab's).
-ab_decode_args="--presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${AB_TABLE_TOKENS:+--table-tokens $AB_TABLE_TOKENS --no-short-table}"
+# bench_decode.py for the A/B steps: ab_decode <default shape sets> <out.md>. Each word of AB_SHAPES is a
+# shape set, "@<n>" after it giving that set block tables of n tokens (a serving engine's) instead of
+# AB_TABLE_TOKENS's, e.g. AB_SHAPES="ab serving_rows@32768": exact-table long shapes and short serving
+# steps from one build. Table tokens or AB_SHORT_TABLE=0 leave out the short-context table (4bit_nc and
+# k8v4 only).
+ab_decode() {
+  local word tokens short=()
+  [ "${AB_SHORT_TABLE:-1}" = 0 ] && short=(--no-short-table)
+  for word in ${AB_SHAPES:-$1}; do
+    tokens=${AB_TABLE_TOKENS:-}; [[ $word == *@* ]] && tokens=${word#*@}
+    timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${word%@*}" \
+      --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${tokens:+--table-tokens $tokens --no-short-table} \
+      "${short[@]}" --out "$2" || return 1
+  done
+}
 # bench_decode.py on this build under each value of an environment switch, alternating processes
 # for AB_ROUNDS rounds: ab_by_env <step> <variable> <default shape set> <values...>
 ab_by_env() {
@@ -224,9 +239,7 @@ ab_by_env() {
   mark_step "$step"
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in "$@"; do
-      env "$variable=$value" timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-$shapes}" \
-        $ab_decode_args \
-        --out "$OUT/${step}_$value.md" > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
+      (export "$variable=$value"; ab_decode "$shapes" "$OUT/${step}_$value.md") > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
     done
   done
   for value in "$@"; do echo "== $step: $value"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/${step}_$value.md"; done
@@ -259,8 +272,7 @@ if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in it
   for round in $(seq "$rounds"); do
     for i in "${!trees[@]}"; do
       tree=${trees[$i]}; label=${labels[$i]}; mark_step "ab_${label}_$round"
-      (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || timeout 150 "$PYTHON" benchmarks/bench_decode.py --shapes "${AB_SHAPES:-small}" \
-        $ab_decode_args --out "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
+      (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || ab_decode small "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
         "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
         { [ "${AB_STORE:-0}" = 0 ] || for store_args in ${AB_STORE_ARGS:---heads,8}; do timeout 150 "$PYTHON" benchmarks/bench_store.py \
         --presets ${AB_STORE_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${store_args//,/ } --out "$out_abs/ab_store_$label.md" || exit 1; done; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
