@@ -62,7 +62,11 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kWarps = kSplitsPerCta * kRowHeads;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kCtasPerSm = 2 / kSplitsPerCta;  // the launch bound: 128 registers per thread
-  static constexpr int kStages = kSplitsPerCta == 2 ? 3 : 4;  // per half: tiles in flight + the one being read
+  // Per half: tiles in flight + the one being read. Four, except beside 4-bit keys' 64 KB pair
+  // table. 3-bit halves with four instead of three (H200, session 26, one call, 32k-token tables):
+  // B = 8 at 1k-4k tokens 0.5-1.0 us per step faster, B = 3 and 8 at 256 0-0.3; the bandwidth-bound
+  // shapes with exact tables equal within a round's spread (B = 1 L = 32k 0.2-0.5 us slower).
+  static constexpr int kStages = kPairStrideWords == 64 ? 3 : 4;
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
   // Shared memory: [ring: one per half (+16: the tile math reads a word past a slot) | query
