@@ -47,7 +47,7 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   // 8 warps would then leave room for 2 ring stages only (3 need 2 x (117,168 + 1,024 reserved)
   // bytes, past the SM's 233,472), so one CTA of 16 warps per SM serves two splits of the same
   // (sequence, 8 KV heads), a half of 8 warps each: the halves share the table and the staged
-  // queries, and each has its own 3-stage ring (168,672 bytes at D = 128).
+  // queries, and each has its own 4-stage ring (203,008 bytes at D = 128).
   // 3-bit keys, whose 32-word table would let two CTAs of 8 warps share an SM, are served the same
   // way: in a grid sized for two CTAs per SM the block scheduler puts some of the first CTAs in
   // launch order, the ones with tokens when a serving engine's long block tables hold short rows,
@@ -62,11 +62,11 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kWarps = kSplitsPerCta * kRowHeads;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kCtasPerSm = 2 / kSplitsPerCta;  // the launch bound: 128 registers per thread
-  // Per half: tiles in flight + the one being read. Four, except beside 4-bit keys' 64 KB pair
-  // table. 3-bit halves with four instead of three (H200, session 26, one call, 32k-token tables):
-  // B = 8 at 1k-4k tokens 0.5-1.0 us per step faster, B = 3 and 8 at 256 0-0.3; the bandwidth-bound
-  // shapes with exact tables equal within a round's spread (B = 1 L = 32k 0.2-0.5 us slower).
-  static constexpr int kStages = kPairStrideWords == 64 ? 3 : 4;
+  // Per half: tiles in flight + the one being read. Four (H200, session 26, A/B against three in
+  // one call each): 3-bit halves 0.5-1.0 us per step faster at B = 8, 1k-4k tokens in 32k-token
+  // tables, 4-bit halves 0.5-1 % at the bandwidth-bound shapes; neither slower beyond a round's
+  // spread. The stages below the staged queries also start before the query staging (early_tiles).
+  static constexpr int kStages = 4;
   static constexpr int kKSteps = TileFragments<Slot>::kKSteps;
   static constexpr int kColumns = kRowHeads * kDecodeColumns;  // query columns staged per CTA
   // Shared memory: [ring: one per half (+16: the tile math reads a word past a slot) | query
@@ -88,6 +88,7 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kPairTableWords = TileFragments<Slot>::kPairs * kPairStrideWords;
   static constexpr int kBarrierOffset = kScratchBytes + kPairTableWords * 4;
   static constexpr int kSmemBytes = kBarrierOffset + kSplitsPerCta * 2 * kStages * 8;
+  static_assert(kSmemBytes <= 227 * 1024, "past sm_90's opt-in shared memory per CTA");
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(D <= 128 && D % 64 == 0, "head dims of the row-staged kernel");
 };
