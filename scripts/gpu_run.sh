@@ -216,7 +216,6 @@ if has profile_varlen; then  # the chunked varlen kernel on a long and a short c
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
 fi
-# bench_decode.py's presets and tables in every A/B step (ab_by_env's and ab's).
 # bench_decode.py for the A/B steps: ab_decode <default shape sets> <out.md>. Each word of AB_SHAPES is a
 # shape set, "@<n>" after it giving that set block tables of n tokens (a serving engine's) instead of
 # AB_TABLE_TOKENS's, e.g. AB_SHAPES="ab serving_rows@32768": exact-table long shapes and short serving
