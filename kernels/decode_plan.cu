@@ -51,8 +51,6 @@ static bool short_rows_fill_grid() {
   return choice != 1;
 }
 
-constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
-
 // The per-head kernel's plan for contexts up to `capacity` tokens (the block table's): the grid's
 // splits, and each row's share of them by its own context (p.split_waves). Returns the grid's count.
 static int plan_per_head_splits(DecodeParams& p, int capacity) {
@@ -85,10 +83,13 @@ void choose_decode_splits(DecodeParams& p) {
     // cost (H200, session 15): B = 1 at L = 32k takes 31.3-31.8 us in 128 paired CTAs (30.8-31.0
     // with 256-token halves in 64) where the earlier one-split CTAs took 27.5; the shapes of 8 and
     // more sequences gained 2-9 %. At most 128 CTAs, as other plans' 128 splits.
+    // One resident CTA per SM: Lloyd-Max keys' 16-warp CTAs are one per SM by design (RowConfig: a grid
+    // of at most one per SM keeps the block scheduler from pairing busy CTAs), and FP8 keys' 8-warp
+    // CTAs, though two fit, are planned one per SM as in the per-head kernel (decode_split_waves).
     const int per_cta = decode_rows_splits_per_cta(p);
     const int splits = per_cta * decode_num_splits(p.layout.key_format == KeyFormat::kFp8, p.batch,
                                                    p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
-                                                   decode_rows_resident_ctas(p), 1);
+                                                   /*resident_per_sm=*/1, /*warps_per_range=*/1);
     p.num_splits = std::min(splits, kMaxPlannedSplits * per_cta);  // kMaxDecodeSplits at 2 per CTA
   } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
     p.num_splits = plan_per_head_splits(p, max_context);

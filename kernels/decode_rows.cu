@@ -364,19 +364,6 @@ struct RowsSplitsPerCta {
   }
 };
 
-struct RowsResidentCtas {
-  int* per_sm;
-  template <class C, typename T>
-  cudaError_t run() const {
-    // At most the configuration's design (C::kCtasPerSm): a 16-warp CTA of two splits is planned one
-    // per SM even where a future build's register count would let two fit, since a grid of at most
-    // one CTA per SM is what keeps the scheduler from pairing busy CTAs (RowConfig).
-    const int n = prepare_rows_kernel<C, T>().per_sm;
-    *per_sm = std::min(n > 0 ? n : 1, C::kCtasPerSm);
-    return cudaSuccess;
-  }
-};
-
 struct LaunchRows {
   const DecodeParams& p;
   cudaStream_t stream;
@@ -453,12 +440,6 @@ bool decode_rows_supports(const DecodeParams& p) {
   // (row_kernel_preferred, split_plan.h: at short contexts and small batches the per-head
   // kernel's 8x more CTAs win).
   return forced == 2 || row_kernel_preferred(p.batch, c.num_kv_heads / kRowHeads, max_context, device_sm_count());
-}
-
-int decode_rows_resident_ctas(const DecodeParams& p) {
-  int per_sm = 1;
-  visit_rows_config(p, RowsResidentCtas{&per_sm});
-  return per_sm;
 }
 
 int decode_rows_splits_per_cta(const DecodeParams& p) {

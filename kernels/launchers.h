@@ -132,7 +132,6 @@ cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 // heads stages whole token rows by bulk copies. launch_decode takes it where it supports the shape
 // and its grid fills half the SMs with 3 or more rows (row_kernel_preferred, turboquant/split_plan.h).
 bool decode_rows_supports(const DecodeParams& p);
-int decode_rows_resident_ctas(const DecodeParams& p);  // CTAs per SM
 int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for Lloyd-Max keys (one CTA of 16 warps), else 1
 int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)
 cudaError_t launch_decode_rows(const DecodeParams& p, cudaStream_t stream);

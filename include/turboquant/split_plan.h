@@ -65,6 +65,8 @@ TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
   return warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;
 }
 
+constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
+
 // The split rule in two steps: what the shapes decide (SplitWaves, on the host) and what a
 // context length then decides (splits_for_context). The host applies it to the block table's
 // capacity to size the grid; the per-head decode kernel applies it again, on the device, to each

@@ -46,11 +46,16 @@ TEST(SplitPlan, DecodeFillsTwoPerSmOnlyForLongLloydMaxSplits) {
   EXPECT_EQ(decode_num_splits(true, 1, 8, 32768, 132, 2, 8), 16);
   EXPECT_EQ(decode_num_splits(true, 4, 8, 16384, 132, 2, 8), 4);
   EXPECT_EQ(decode_num_splits(true, 16, 8, 8192, 132, 2, 8), 1);
-  // The row-staged kernel: one CTA per 8 KV heads, every warp sees all of its split's tiles.
-  EXPECT_EQ(decode_num_splits(false, 32, 1, 8192, 132, 2, 1), 8);  // 64 tiles per warp
-  EXPECT_EQ(decode_num_splits(false, 1, 1, 4096, 132, 2, 1), 16);  // the 256-token cap: 16 tiles per warp
-  EXPECT_EQ(decode_num_splits(false, 1, 1, 1024, 132, 2, 1), 1024 / kMinTokensPerSplit);
+  // The row-staged kernel: one CTA per 8 KV heads, every warp sees all of its split's tiles, planned
+  // one resident CTA per SM (decode_plan.cu; a Lloyd-Max CTA then serves two of these splits).
+  EXPECT_EQ(decode_num_splits(false, 32, 1, 8192, 132, 1, 1), 4);  // 132 / 32 CTAs: 128 tiles per warp
+  EXPECT_EQ(decode_num_splits(false, 1, 1, 4096, 132, 1, 1), 16);  // the 256-token cap: 16 tiles per warp
+  EXPECT_EQ(decode_num_splits(false, 1, 1, 1024, 132, 1, 1), 1024 / kMinTokensPerSplit);
+  // Two resident CTAs change nothing for FP8 keys (the same count as one) ...
   EXPECT_EQ(decode_num_splits(true, 32, 1, 8192, 132, 2, 1), 4);
+  EXPECT_EQ(decode_num_splits(true, 32, 1, 8192, 132, 1, 1), 4);
+  // ... and for Lloyd-Max keys fill two per SM where each warp keeps 16 tiles (min_tiles_two_per_sm): 8 of 64.
+  EXPECT_EQ(decode_num_splits(false, 32, 1, 8192, 132, 2, 1), 8);
 }
 
 TEST(SplitPlan, RowKernelFromThreeRowsWhereItsGridFillsHalfTheSms) {
@@ -120,7 +125,8 @@ TEST(SplitPlan, AContextGetsTheSplitsOfItsOwnLength) {
                 << context << " tokens, batch " << batch;
             // The per-head kernel (8 warps per range) applies the rule per sequence: never more
             // splits for a shorter context, so a sequence shorter than the table's capacity takes
-            // at most the grid's count (the kernel's min is then only a guard). The row kernel's
+            // at most the grid's count (row_splits_in_grid's min still caps it where the planner's
+            // kMaxPlannedSplits leaves the grid below a long row's own count). The row kernel's
             // rule (1 warp) is not monotone (B = 1: 17 splits at 4352 tokens, 16 at 4353) and is
             // applied to the capacity only.
             if (warps == 8) EXPECT_GE(splits, previous) << context << " tokens, batch " << batch;
@@ -168,15 +174,16 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
   // never a split of fewer than min_tokens tokens beyond the own count's, and never fewer splits
   // for a longer context (so full_context still marks where rows take the whole grid).
   for (bool fp8_keys : {false, true}) {
-    // 8 KV heads, and 1 (B = 1: a grid capped at kMaxPlannedSplits = 128 as decode_plan.cu's planner
-    // caps it, below a long row's own count of 132)
+    // 8 KV heads, and 1 (B = 1: a grid capped at kMaxPlannedSplits as decode_plan.cu's planner caps
+    // it, below a long row's own count of 132)
     const int shapes[][2] = {{1, 8}, {2, 8}, {3, 8}, {4, 8}, {8, 8}, {17, 8}, {1, 1}, {2, 1}, {4, 1}};
     for (const auto& shape : shapes) {
       const int batch = shape[0], heads = shape[1];
       SplitWaves waves = decode_split_waves(fp8_keys, batch, heads, 132, 2, 8);
       waves.fill_grid = true;
       for (int capacity : {256, 4096, 32768, 131072}) {
-        const int grid_splits = std::min(splits_for_context(waves, capacity), 128);
+        const int grid_splits = std::min(splits_for_context(waves, capacity), kMaxPlannedSplits);
+        const int full_context = first_context_with_splits(waves, grid_splits, capacity);
         int previous = 1;
         for (int context = 0; context <= capacity; context += 61) {
           const int splits = row_splits_in_grid(waves, context, grid_splits);
@@ -188,7 +195,7 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
           EXPECT_GE(splits, previous) << context << " tokens, batch " << batch << ", capacity " << capacity;
           // The device skips the rule from full_context on and takes the whole grid: the rule
           // must give the grid there too.
-          if (context >= first_context_with_splits(waves, grid_splits, capacity)) {
+          if (context >= full_context) {
             EXPECT_EQ(splits, grid_splits) << context << " tokens, batch " << batch << ", capacity " << capacity;
           }
           previous = splits;
