@@ -177,10 +177,15 @@ def test_rows_decode_seq_lens_past_the_block_table():
     assert rel_err(out, ref) <= 2e-3
 
 
-def test_rows_decode_graph_replay_follows_new_lengths():
-    """The grid depends only on shapes: a captured decode replays with new seq_lens and queries."""
+@pytest.mark.parametrize("table", ["exact", "serving"])
+def test_rows_decode_graph_replay_follows_new_lengths(table):
+    """The grid depends only on shapes: a captured decode replays with new seq_lens and queries. With a
+    serving engine's 32k-token table the lengths alone decide each row's splits and which CTAs leave
+    at once, on the device at every replay."""
     preset = "turboquant_4bit_nc"
     cache, bt, sl, _, _ = make_paged_batch([500, 260], 16, 8, 128, preset, seed=3)
+    if table == "serving":
+        bt = serving_table(bt, cache)
     cache, bt = cache.cuda(), bt.cuda()
     q = torch.randn(2, 32, 128, device="cuda").half()
     lens = sl.cuda()
