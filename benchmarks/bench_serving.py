@@ -36,7 +36,6 @@ LENGTHS = [256, 1024, 4096, 16384, 32768]
 HQ, HKV = 32, 8
 PRESETS = ["turboquant_4bit_nc", "turboquant_k8v4"]
 KERNELS = ["default", "heads", "rows"]
-KERNEL_ENV = {"heads": ("TURBOQUANT_DECODE_KERNEL", "heads"), "rows": ("TURBOQUANT_DECODE_KERNEL", "rows")}
 # Batches of mixed lengths (a serving engine's decode batch): short and long sequences side by side.
 MIXED_BATCHES = [[256, 32768, 1024, 16384], [256, 1024, 4096, 16384, 512, 2048, 8192, 32768],
                  [1024] * 7 + [32768], [512, 512, 512, 512, 16384, 16384, 16384, 16384]]
@@ -89,7 +88,7 @@ def main():
         env = dict(os.environ)
         env.pop("TURBOQUANT_DECODE_KERNEL", None)
         if kernel != "default":
-            env[KERNEL_ENV[kernel][0]] = KERNEL_ENV[kernel][1]
+            env["TURBOQUANT_DECODE_KERNEL"] = kernel
         print(f"timing the {kernel} kernel choice ...", flush=True)
         args = ["--ours-only", "--table-tokens", str(a.table_tokens), "--batches", *map(str, a.batches),
                 "--presets", *a.presets]
@@ -116,16 +115,17 @@ def main():
                        f"{' | '.join(f'{t:.1f}' for t in us)} | {sdpa / us[0]:.2f}x |")
                 lines.append(row)
                 print(row, flush=True)
-    table = ["", "Batches of mixed lengths, the same tables, us", "",
-             f"| lengths | preset | {' | '.join(columns)} |", "|---|---|" + "---|" * len(columns)]
-    for lens in MIXED_BATCHES if mixed else []:
-        for preset in a.presets:
-            us = [times[k][f"mixed {lens},{preset}"] for k in a.kernels]
-            table.append(f"| {' '.join(str(n) for n in lens)} | {preset.replace('turboquant_', '')} | "
-                         f"{' | '.join(f'{t:.1f}' for t in us)} |")
     if mixed:
+        table = ["", "Batches of mixed lengths, the same tables, us", "",
+                 f"| lengths | preset | {' | '.join(columns)} |", "|---|---|" + "---|" * len(columns)]
+        for lens in MIXED_BATCHES:
+            for preset in a.presets:
+                us = [times[k][f"mixed {lens},{preset}"] for k in a.kernels]
+                table.append(f"| {' '.join(str(n) for n in lens)} | {preset.replace('turboquant_', '')} | "
+                             f"{' | '.join(f'{t:.1f}' for t in us)} |")
         print("\n".join(table), flush=True)
-    append_markdown(a.out, lines + (table if mixed else []))
+        lines += table
+    append_markdown(a.out, lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-// Pieces shared by the two decode kernels (decode.cu: 8 query columns per CTA, each warp its own
-// tiles; decode_chunked.cu: 64 columns per CTA sharing each tile): the staged slot geometry,
-// pair-table addressing, the query staging and the online softmax of a thread's two columns.
+// Pieces shared by the decode kernels (decode.cu: 8 query columns per CTA, each warp its own
+// tiles; decode_rows.cu: a warp per KV head over whole token rows; decode_chunked.cu: 64 columns
+// per CTA sharing each tile): the staged slot geometry, pair-table addressing, the query staging
+// and the online softmax of a thread's two columns.
 #pragma once
 
 #include <cooperative_groups.h>

@@ -219,16 +219,16 @@ fi
 # bench_decode.py for the A/B steps: ab_decode <default shape sets> <out.md>. Each word of AB_SHAPES is a
 # shape set, "@<n>" after it giving that set block tables of n tokens (a serving engine's) instead of
 # AB_TABLE_TOKENS's, e.g. AB_SHAPES="ab serving_rows@32768": exact-table long shapes and short serving
-# steps from one build. Table tokens or AB_SHORT_TABLE=0 leave out the short-context table (4bit_nc and
-# k8v4 only).
+# steps from one build. The short-context table (4bit_nc and k8v4 only) comes once, with the first set
+# of exact tables; AB_SHORT_TABLE=0 leaves it out.
 ab_decode() {
-  local word tokens short=()
-  [ "${AB_SHORT_TABLE:-1}" = 0 ] && short=(--no-short-table)
+  local word tokens short=${AB_SHORT_TABLE:-1}
   for word in ${AB_SHAPES:-$1}; do
     tokens=${AB_TABLE_TOKENS:-}; [[ $word == *@* ]] && tokens=${word#*@}
     timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${word%@*}" \
-      --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${tokens:+--table-tokens $tokens --no-short-table} \
-      "${short[@]}" --out "$2" || return 1
+      --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${tokens:+--table-tokens $tokens} \
+      $([ -z "$tokens" ] && [ "$short" = 1 ] || echo --no-short-table) --out "$2" || return 1
+    [ -n "$tokens" ] || short=0
   done
 }
 # bench_decode.py on this build under each value of an environment switch, alternating processes
