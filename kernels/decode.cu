@@ -157,10 +157,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // benchmarks/RESULTS.md): -0.3..+0.3 us per step in one-call graphs, -0.1..+1.0 us (mostly
   // 0.2-0.9 faster) with 16 steps per graph.
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
-  using Staging = QueryStaging<D, kHeads, kThreads>;
-  static_assert(Staging::kBatch == Staging::kColumnsPerWarp, "one batch of query columns per warp");
-  T q_raw[Staging::kBatch][Staging::kPerLane];
-  Staging::load(q_raw, static_cast<const T*>(p.query), columns, 0);
+  PreloadedQuery<D, kHeads, kThreads, T> query;
+  query.load(static_cast<const T*>(p.query), columns);
   const int raw_seq_len = p.seq_lens[b];
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
@@ -336,9 +334,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     // (kQueryApart).
     uint32_t qf[C::kKSteps][2];
     auto stage_query = [&] {
-      Staging::template store<!C::kFp8Key>(qs, q_raw, columns, 0);
-      if constexpr (!C::kFp8Key) stage_pair_table<C::KB, 32, kThreads>(pair_table, p.codebook);
-      __syncthreads();
+      query.template stage<!C::kFp8Key, C::KB, 32>(qs, pair_table, columns, p.codebook);
       device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
       if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
     };
