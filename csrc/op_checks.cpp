@@ -2,6 +2,7 @@
 #include "op_checks.h"
 
 #include "error_message.h"
+#include "turboquant/split_plan.h"
 
 #include <cstdlib>
 #include <stdexcept>
@@ -148,7 +149,8 @@ static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor&
     a.batch = query_start_loc->size(0) - 1;
   }
   check_block_table_and_seq_lens(block_table, seq_lens, a.batch);
-  TQ_CHECK(num_splits >= 0, "turboquant: num_splits must be >= 0 (0 = choose), got ", num_splits);
+  TQ_CHECK(num_splits >= 0 && num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be in [0, ",
+           kMaxDecodeSplits, "] (0 = the library chooses), got ", num_splits);
   check_same_device(query, "query", kv_cache, "kv_cache");
   check_same_device(query, "query", block_table, "block_table");
   check_same_device(query, "query", seq_lens, "seq_lens");
@@ -193,7 +195,7 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
   TQ_CHECK(kv_cache.dim() == 4, "turboquant: kv_cache must be 4-D [num_blocks, block_size, num_kv_heads, slot], got shape ",
               kv_cache.sizes());
   int64_t head_dim = -1;
-  for (int d = 8; d <= 1024; d += 8) {
+  for (int d = 8; d <= kMaxHeadDim; d += 8) {
     const SlotLayout l = make_slot_layout(d, a.preset->key_format, a.preset->key_bits,
                                           a.preset->value_bits);
     if (l.slot_size_aligned == kv_cache.size(3)) head_dim = d;
@@ -202,6 +204,7 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
               " bytes matches no head_dim for preset ", a.preset->name);
   a.layout = layout_or_throw(*a.preset, head_dim);
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
+  check_index_tensor(block_table, "block_table", 2, /*allow_int64=*/false);  // before its rows are read
   check_block_table_and_seq_lens(block_table, seq_lens, block_table.size(0));
   check_same_device(kv_cache, "kv_cache", block_table, "block_table");
   check_same_device(kv_cache, "kv_cache", seq_lens, "seq_lens");

@@ -95,12 +95,9 @@ struct Partial {
   std::vector<double> acc;
 };
 
-at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
-                      const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      c10::string_view preset, double scale, int64_t num_splits) {
-  const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens,
-                                         std::string(preset), num_splits);
-  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+// The decode of checked arguments: one query row per block-table row and length (a.batch of them).
+at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                          const at::Tensor& seq_lens, const DecodeArgs& a, double scale, int64_t num_splits) {
   const int d = a.layout.head_dim;
   const int64_t hkv = a.cache.num_kv_heads, group = a.num_q_heads / hkv;
   const int64_t max_context = a.max_blocks_per_seq * a.cache.block_size;
@@ -179,6 +176,15 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
   return to_output_dtype(out, query.scalar_type());
 }
 
+at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      c10::string_view preset, double scale, int64_t num_splits) {
+  const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens,
+                                         std::string(preset), num_splits);
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
+  return run_decode_cpu(query, kv_cache, block_table, seq_lens, a, scale, num_splits);
+}
+
 // Multi-token queries: each query row is one decode row with its sequence's block-table row and
 // its own causal length (turboquant/query_chunks.h), so the reference is the decode itself. Rows
 // outside every sequence's range get length 0, hence zeros.
@@ -189,6 +195,8 @@ at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache
                                                 std::string(preset), num_splits);
   const int64_t total_q = query.size(0);
   check_query_start_loc_values(query_start_loc, total_q);
+  // The caller's tensors, so an error names the caller's entries (not a per-row copy's).
+  if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   at::Tensor row_tables = at::zeros({total_q, a.max_blocks_per_seq}, block_table.options());
@@ -203,7 +211,9 @@ at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache
       rl[row] = causal_limit(lens[b], q_len, row - starts[b]);
     }
   }
-  return decode_cpu(query, kv_cache, row_tables, row_lens, preset, scale, num_splits);
+  DecodeArgs rows = a;
+  rows.batch = total_q;
+  return run_decode_cpu(query, kv_cache, row_tables, row_lens, rows, scale, num_splits);
 }
 
 void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,

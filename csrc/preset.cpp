@@ -25,9 +25,9 @@ const Preset& parse_preset(const std::string& name) {
 }
 
 void check_head_dim(const Preset& preset, int head_dim) {
-  if (head_dim <= 0 || head_dim % 8 != 0) {
-    throw std::invalid_argument("turboquant: head_dim must be a positive multiple of 8, got " +
-                                std::to_string(head_dim));
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > kMaxHeadDim) {
+    throw std::invalid_argument("turboquant: head_dim must be a multiple of 8 in [8, " + std::to_string(kMaxHeadDim) +
+                                "], got " + std::to_string(head_dim));
   }
   if (preset.key_format == KeyFormat::kLloydMax && (head_dim & (head_dim - 1)) != 0) {
     throw std::invalid_argument(

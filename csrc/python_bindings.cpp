@@ -64,6 +64,7 @@ PYBIND11_MODULE(_core, m) {
     d["norm_correction"] = p.norm_correction;
     return d;
   }, py::arg("preset"));
+  m.attr("max_head_dim") = kMaxHeadDim;
   m.def("slot_layout", [](const std::string& preset, int head_dim) {
     return layout_dict(slot_layout(parse_preset(preset), head_dim));
   }, py::arg("preset"), py::arg("head_dim"), "Byte layout of one slot (raises ValueError if unsupported).");

@@ -109,8 +109,6 @@ int env_kernel_choice(const char* variable, const char* first, const char* secon
 // dispatch.cuh): yes unless TURBOQUANT_SMEM_CARVEOUT=auto (read once per process).
 bool smem_carveout_max_requested();
 
-constexpr int kMaxDecodeSplits = 256;  // partial results per (query row, head) the merge combines
-
 // The library's split plan for these shapes on the current device: sets p.num_splits and, where
 // the per-head kernel serves p, p.split_waves (each row's share of the grid by its context).
 void choose_decode_splits(DecodeParams& p);

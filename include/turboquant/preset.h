@@ -23,8 +23,12 @@ const std::vector<Preset>& all_presets();
 // Looks a preset up by name; unknown names throw, listing the valid ones.
 const Preset& parse_preset(const std::string& name);
 
-// Throws unless head_dim is supported by the preset: a positive multiple of 8, and a power of two
-// for rotated (Lloyd-Max) keys, since the rotation is a Sylvester Hadamard matrix.
+// The largest head_dim a cache may have: slot sizes and offsets stay far inside int, and a cache's
+// head_dim is recovered from its slot size by a search up to here (dequantize).
+constexpr int kMaxHeadDim = 1024;
+
+// Throws unless head_dim is supported by the preset: a multiple of 8 in [8, kMaxHeadDim], and a
+// power of two for rotated (Lloyd-Max) keys, since the rotation is a Sylvester Hadamard matrix.
 void check_head_dim(const Preset& preset, int head_dim);
 
 // Slot layout of a preset at a head_dim (validated).

@@ -66,6 +66,9 @@ TQ_HD int decode_min_tokens_per_split(int warps_per_range) {
 }
 
 constexpr int kMaxPlannedSplits = 128;  // splits (or row-kernel CTAs) the library plans per row at most
+// Splits a caller may ask for (num_splits), on either device: the CUDA merge combines at most this
+// many partial results per (query row, head).
+constexpr int kMaxDecodeSplits = 256;
 
 // The split rule in two steps: what the shapes decide (SplitWaves, on the host) and what a
 // context length then decides (splits_for_context). The host applies it to the block table's

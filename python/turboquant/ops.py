@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from . import _library  # noqa: F401  (loads the op library)
+from ._library import _core  # also loads the op library
 from .presets import PRESETS, slot_layout
 
 
 def head_dim_for_slot(preset: str, slot_bytes: int) -> int:
     """Recovers head_dim from a cache's last dimension (the aligned slot size)."""
-    for head_dim in range(8, 1025, 8):
+    for head_dim in range(8, _core.max_head_dim + 1, 8):
         try:
             if slot_layout(preset, head_dim).slot_size_aligned == slot_bytes:
                 return head_dim

@@ -26,6 +26,8 @@ STORE_CASES = {
     "value shape": (dict(value=torch.randn(4, 2, 64)), "value must have key's shape"),
     "head_dim not multiple of 8": (dict(key=torch.randn(4, 2, 100), value=torch.randn(4, 2, 100)), "multiple of 8"),
     "head_dim not power of two": (dict(key=torch.randn(4, 2, 96), value=torch.randn(4, 2, 96)), "power-of-two head_dim"),
+    "head_dim too large": (dict(key=torch.randn(1, 1, 2048), value=torch.randn(1, 1, 2048), preset="turboquant_k8v4"),
+                           r"head_dim must be a multiple of 8 in \[8, 1024\], got 2048"),
     "non-contiguous key": (dict(key=torch.randn(4, 128, 2).transpose(1, 2)), "must be contiguous"),
     "cache dtype": (dict(kv_cache=torch.zeros(2, 16, 2, 134, dtype=torch.int8)), "kv_cache must be uint8"),
     "cache rank": (dict(kv_cache=torch.zeros(32, 2, 134, dtype=torch.uint8)), "kv_cache must be 4-D"),
@@ -64,7 +66,9 @@ DECODE_CASES = {
     "block_table rows": (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), "block_table must have 2 rows"),
     "seq_lens dtype": (dict(seq_lens=torch.tensor([3, 5])), "seq_lens must be int32"),
     "seq_lens length": (dict(seq_lens=torch.tensor([3], dtype=torch.int32)), "seq_lens must have 2 entries"),
-    "num_splits": (dict(num_splits=-1), "num_splits must be >= 0"),
+    "num_splits negative": (dict(num_splits=-1), r"num_splits must be in \[0, 256\] \(0 = the library chooses\), got -1"),
+    "num_splits too many": (dict(num_splits=257), r"num_splits must be in \[0, 256\].*got 257"),
+    "num_splits past int": (dict(num_splits=2**32 + 1), r"num_splits must be in \[0, 256\].*got 4294967297"),
     "preset": (dict(preset="q4"), "unknown preset 'q4'"),
 }
 
@@ -85,6 +89,8 @@ def test_dequantize_bad_input():
         tq.dequantize(cache, bt, sl, P, torch.int32)
     with pytest.raises(RuntimeError, match="seq_lens must have 2 entries"):
         tq.dequantize(cache, bt, sl[:1], P)
+    with pytest.raises(RuntimeError, match=r"block_table must be 2-D, got shape \[\]"):
+        tq.dequantize(cache, torch.tensor(0, dtype=torch.int32), sl, P)
 
 
 def test_out_of_range_indices_are_masked_without_checking_mode():
@@ -118,3 +124,20 @@ def test_checking_mode_raises_on_bad_indices(monkeypatch):
         tq.decode(q, cache, torch.tensor([[0, 7]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32), P, 0.1)
     with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 40 is outside \[0, 32\]"):
         tq.decode(q, cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([40], dtype=torch.int32), P, 0.1)
+
+
+def test_checking_mode_names_the_callers_entries_in_decode_varlen(monkeypatch):
+    """decode_varlen's checks name the caller's block_table and seq_lens entries (the CPU path
+    decodes per query row from copies of them) and refuse negative lengths as decode does."""
+    monkeypatch.setenv("TURBOQUANT_CHECK_INDICES", "1")
+    cache = tq.allocate_kv_cache(2, 16, 2, 128, P)
+    q = torch.randn(5, 4, 128)
+    starts = torch.tensor([0, 3, 5], dtype=torch.int32)
+    bt = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 50 is outside \[0, 32\]"):
+        tq.decode_varlen(q, cache, bt, torch.tensor([10, 50], dtype=torch.int32), starts, P, 0.1)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = -4 is outside \[0, 32\]"):
+        tq.decode_varlen(q, cache, bt, torch.tensor([-4, 20], dtype=torch.int32), starts, P, 0.1)
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 1\] = 7 is outside \[0, 2\)"):
+        tq.decode_varlen(q, cache, torch.tensor([[0, 1], [1, 7]], dtype=torch.int32),
+                         torch.tensor([10, 20], dtype=torch.int32), starts, P, 0.1)
