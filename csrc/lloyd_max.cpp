@@ -129,8 +129,10 @@ LloydMaxResult solve_lloyd_max_sphere(int bits, int head_dim, double tolerance,
     return Cell{(at(m0, hi) - at(m0, lo)) / total, (at(m1, hi) - at(m1, lo)) / total,
                 (at(m2, hi) - at(m2, lo)) / total};
   };
-  return iterate(bits, 3.0 / std::sqrt(static_cast<double>(head_dim)), tolerance, max_iterations,
-                 cell);
+  // Start uniform over +-3 standard deviations (1/sqrt(D) each), kept inside [-1, 1]: a level
+  // starting past the support (D < 9) has an empty cell and would never move.
+  const double support = std::min(1.0, 3.0 / std::sqrt(static_cast<double>(head_dim)));
+  return iterate(bits, support, tolerance, max_iterations, cell);
 }
 
 const Codebook& gaussian_codebook(int bits, int head_dim) {

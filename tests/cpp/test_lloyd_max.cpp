@@ -50,6 +50,24 @@ TEST(LloydMax, CodebookIsLevelsOverSqrtD) {
   for (int i = 0; i < 8; ++i) EXPECT_FLOAT_EQ(cb.centroid[i], -cb.centroid[7 - i]);
 }
 
+TEST(LloydMax, SphereCodebookAtThreeDimsIsUniform) {
+  // On the 2-sphere a coordinate is uniform on [-1, 1] (Archimedes), whose optimal 2^b-level
+  // quantizer is uniform: levels at the centres of 2^b equal cells, MSE (2 / 2^b)^2 / 12.
+  for (int bits : {2, 3, 4}) {
+    const int n = 1 << bits;
+    const LloydMaxResult s = solve_lloyd_max_sphere(bits, 3);
+    ASSERT_EQ(static_cast<int>(s.levels.size()), n);
+    for (int i = 0; i < n; ++i) EXPECT_NEAR(s.levels[i], -1.0 + (2.0 * i + 1.0) / n, 1e-6) << bits << " bits, level " << i;
+    EXPECT_NEAR(s.mse, 4.0 / (n * n) / 12.0, 1e-8) << bits;
+  }
+  // Small D: every level inside the support (a start past it left a level stuck outside).
+  for (int d : {4, 5, 8}) {
+    const LloydMaxResult s = solve_lloyd_max_sphere(4, d);
+    EXPECT_GT(s.levels.front(), -1.0) << d;
+    EXPECT_LT(s.levels.back(), 1.0) << d;
+  }
+}
+
 TEST(LloydMax, SphereCodebookBeatsGaussianOnSphereDensity) {
   // The sphere marginal has lighter tails than N(0, 1/D): its own quantizer has a lower MSE,
   // about 2 % below the Gaussian 0.0345 / D at 3 bits (SPEC §6 says 0.0340 per unit vector).
