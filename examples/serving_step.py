@@ -30,10 +30,11 @@ meta = StepMetadata(query_start_loc=torch.tensor([0, 100, 137], dtype=torch.int3
 out = layer.forward(q, k, v, meta, scale=d ** -0.5)
 
 # Step 2: one decode token per sequence, attention straight on the packed cache.
-q, k = torch.randn(2, hq, d, device=device, dtype=torch.bfloat16), torch.randn(2, hkv, d, device=device, dtype=torch.bfloat16)
+q = torch.randn(2, hq, d, device=device, dtype=torch.bfloat16)
+k, v = (torch.randn(2, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
 meta = StepMetadata(torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
                     torch.tensor([101, 38], dtype=torch.int32, device=device), block_table,
                     torch.stack([slots(0, torch.tensor(100, device=device)), slots(1, torch.tensor(37, device=device))]),
                     num_decodes=2)
-out = layer.forward(q, k, k, meta, scale=d ** -0.5)
+out = layer.forward(q, k, v, meta, scale=d ** -0.5)
 print(out.shape, out.dtype)

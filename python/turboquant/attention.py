@@ -118,7 +118,7 @@ class PagedAttentionLayer:
         nd = meta.num_decodes
         if nd == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
             return self._decode(query, meta.block_table, meta.seq_lens, scale)
-        out = torch.empty_like(query)
+        out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
         starts = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
         # Short continuation chunks the packed cache serves in one decode_varlen launch, rows
