@@ -29,6 +29,7 @@ mkdir -p "$OUT"
 steps="${*:-all}"
 steps="${steps/all/tests bench}"
 export CUDA_ARCHS=90 PYTHONUNBUFFERED=1
+export TURBOQUANT_REQUIRE_CUDA=1  # pytest fails, not skips, if the CUDA ops did not build (tests/python/conftest.py)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 source scripts/common.sh
 ensure_python_deps

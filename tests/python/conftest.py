@@ -16,6 +16,15 @@ CUDA_OK = torch.cuda.is_available() and turboquant.has_cuda_kernels()
 requires_cuda = pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA device and a CUDA build of the ops")
 
 
+def pytest_configure(config):
+    # The GPU machine's run (scripts/gpu_run.sh) sets this: there a build without the CUDA ops, or
+    # no visible device, must fail the run rather than skip every CUDA test and pass.
+    if os.environ.get("TURBOQUANT_REQUIRE_CUDA") == "1" and not CUDA_OK:
+        raise pytest.UsageError(
+            f"TURBOQUANT_REQUIRE_CUDA=1 but the CUDA tests cannot run (torch.cuda.is_available() = "
+            f"{torch.cuda.is_available()}, turboquant.has_cuda_kernels() = {turboquant.has_cuda_kernels()})")
+
+
 @pytest.fixture(autouse=True)
 def _inference_mode():
     with torch.inference_mode():

@@ -69,7 +69,10 @@ def encode_slot_reference(key: torch.Tensor, value: torch.Tensor, preset: str):
         out[0:layout.key_data_bytes] = pack_bits(idx.tolist(), info.key_bits)
         out[layout.key_norm_offset:layout.key_norm_offset + 2] = half_bytes(min(stored, 65504.0))
     v32 = value.to(torch.float32)
-    vmin, vmax = v32.min(), v32.max()
+    # + 0.0: a zero min or max is stored as +0, whatever its sign. SPEC's fp16(min) leaves the sign
+    # of a zero min to the order in which a reduction met +0 and -0; the library fixes it
+    # (include/turboquant/quantize.h), so an all -0.0 vector stores zero = 0x0000, not 0x8000.
+    vmin, vmax = v32.min() + 0.0, v32.max() + 0.0
     levels = (1 << info.value_bits) - 1
     scale = ((vmax - vmin) / levels).half().float()  # fp32 arithmetic, then the stored fp16
     zero = vmin.half().float()

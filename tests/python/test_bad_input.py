@@ -1,7 +1,5 @@
 """Bad input raises errors naming the argument, and leaves the cache unchanged (SPEC §4)."""
 
-import os
-
 import pytest
 import torch
 

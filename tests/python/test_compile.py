@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import turboquant as tq
+import turboquant  # noqa: F401  (registers torch.ops.turboquant)
 from helpers import make_paged_batch
 
 P = "turboquant_k3v4_nc"

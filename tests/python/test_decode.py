@@ -67,7 +67,9 @@ def test_decode_half_precision_query(dtype):
     q = torch.randn(2, 8, 128).to(dtype)
     out = tq.decode(q, cache, bt, sl, preset, 128 ** -0.5)
     assert out.dtype == dtype
-    tolerance = 2e-3 if dtype == torch.float16 else 1e-2  # rounding of q and of the output
+    # The reference takes the rounded q, so what is left is the output's rounding: at most one unit
+    # roundoff per element (fp16 2^-11, bf16 2^-8 = 3.9e-3; bf16 measures ~1.6e-3), plus fp32 sums.
+    tolerance = 2e-3 if dtype == torch.float16 else 4e-3
     assert rel_err(out, attention_reference(q.float(), k, v, sl, 128 ** -0.5)) < tolerance
 
 

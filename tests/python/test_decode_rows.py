@@ -103,7 +103,7 @@ def test_rows_decode_folds_a_ctas_two_splits(preset):
     q = torch.randn(150, 32, 128, generator=g).half()
     ref = tq.decode(q.float(), cache, bt, sl, preset, 0.1, 1)
     for splits in (2, 3, 4, 0, 256):
-        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits)
+        out = poisoned_cuda_decode(q, cache, bt, sl, preset, 0.1, splits, workspace=True)
         assert not out.isnan().any(), splits
         assert (out[0] == 0).all(), splits  # seq_len 0
         assert rel_err(out, ref) <= 2e-3, splits

@@ -1,7 +1,6 @@
 """Long contexts and large caches: a 131k-token sequence against float64 attention, and a cache
 larger than 2 GiB whose far blocks need 64-bit byte offsets (SPEC: int64 address math)."""
 
-import pytest
 import torch
 
 import turboquant as tq

@@ -75,4 +75,26 @@ def test_key_direction_error_on_unit_vectors(preset, expected):
     c = centroids.double()[idx]
     y = x[:, 0] @ hadamard_matrix(d)  # R symmetric: rows are R x
     err = ((y - c) ** 2).sum(-1).mean().item()
-    assert abs(err - expected) / expected < 0.03, err
+    # 1 %: 10k samples leave ~0.2 % noise (seeds 0-3: within 0.4 %); at 3 % the test could not
+    # tell SPEC's 0.0340 from the 0.0345 of Gaussian inputs (SPEC §6).
+    assert abs(err - expected) / expected < 0.01, err
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_signed_zero_values_store_a_positive_zero(preset):
+    """Value vectors of zeros of either sign: scale 0, every code 0 and zero = +0 (0x0000) whatever
+    the signs, so the bytes do not depend on the order a min reduction meets +0 and -0."""
+    d = 64 if preset != "turboquant_k8v4" else 96
+    layout = tq.slot_layout(preset, d)
+    mixed = torch.zeros(d)
+    mixed[::3] = -0.0
+    values = torch.stack([torch.full((d,), -0.0), mixed, torch.zeros(d)])[:, None]
+    keys = torch.randn(3, 1, d)
+    cache = tq.allocate_kv_cache(1, 16, 1, d, preset)
+    tq.store_kv(keys, values, cache, torch.arange(3, dtype=torch.int32), preset)
+    for i in range(3):
+        slot = slot_bytes(cache, i, 0)
+        compare_slot(slot, keys[i, 0], values[i, 0], preset)
+        assert slot[layout.value_data_offset:layout.slot_size] == bytes(layout.slot_size - layout.value_data_offset), i
+    k, v = tq.dequantize(cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32), preset)
+    assert (v == 0).all() and not torch.signbit(v).any()

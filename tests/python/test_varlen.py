@@ -5,7 +5,7 @@ import torch
 
 import turboquant as tq
 from conftest import requires_cuda
-from helpers import make_paged_batch, rerun_tests_with
+from helpers import make_paged_batch, poison_next_allocations, rerun_tests_with
 from reference import rel_err
 
 PRESETS = list(tq.PRESETS)
@@ -118,8 +118,9 @@ def test_decode_varlen_cuda_gqa_chunks_match_cpu(group, num_splits):
     total = int(starts[-1]) + 3  # three rows outside every sequence
     query = torch.randn(total, hkv * group, d).bfloat16().float()  # the reference sees the same inputs
     ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, num_splits)
-    dev = [t.cuda() for t in (cache, bt, sl, starts)]
-    out = tq.decode_varlen(query.bfloat16().cuda(), dev[0], dev[1], dev[2], dev[3], preset, 0.1, num_splits)
+    dev = [t.cuda() for t in (query.bfloat16(), cache, bt, sl, starts)]
+    poison_next_allocations(dev[0], workspace=True)  # the output is zero-filled; a partial vector must not be read unwritten
+    out = tq.decode_varlen(*dev, preset, 0.1, num_splits)
     assert torch.isfinite(out).all()
     assert rel_err(out.float().cpu(), ref) <= 2e-3
     assert out[-3:].abs().max() == 0
@@ -213,6 +214,8 @@ def test_decode_varlen_cuda_block_sizes_layouts_and_bad_block_ids(preset, block_
     query = torch.randn(int(starts[-1]), hkv * group, d).half().float()
     ref = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.1, 3)
     gpu_cache = cache.cuda() if not head_major else cache.transpose(1, 2).contiguous().cuda().transpose(1, 2)
-    out = tq.decode_varlen(query.half().cuda(), gpu_cache, bt.cuda(), sl.cuda(), starts.cuda(), preset, 0.1, 3)
+    dev = [t.cuda() for t in (query.half(), bt, sl, starts)]
+    poison_next_allocations(dev[0], workspace=True)
+    out = tq.decode_varlen(dev[0], gpu_cache, *dev[1:], preset, 0.1, 3)
     assert torch.isfinite(out).all()
     assert rel_err(out.float().cpu(), ref) <= 2e-3
