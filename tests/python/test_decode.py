@@ -15,8 +15,9 @@ SEQ_LENS = [37, 0, 1, 200, 16]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_dequantize_matches_reference_decoding(preset):
-    head_dim, block_size, heads = 64, 16, 2
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dequantize_matches_reference_decoding(preset, head_dim):
+    block_size, heads = 16, 2
     cache, bt, sl, _, _ = make_paged_batch([5, 0, 19], block_size, heads, head_dim, preset)
     k, v = tq.dequantize(cache, bt, sl, preset, torch.float32)
     assert k.shape == (3, 19, heads, head_dim) and k.dtype == torch.float32
