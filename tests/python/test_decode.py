@@ -79,7 +79,7 @@ def test_quantized_attention_is_close_to_unquantized():
     better for more bits."""
     errs = {}
     for preset in PRESETS:
-        cache, bt, sl, keys, values = make_paged_batch([256, 256], 16, 2, 128, preset, seed=5)
+        cache, bt, sl, keys, values = make_paged_batch([256, 256], 16, 2, 128, preset, seed=5, dense=True)
         q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(9))
         out = tq.decode(q, cache, bt, sl, preset, 128 ** -0.5)
         errs[preset] = rel_err(out, attention_reference(q, keys, values, sl, 128 ** -0.5))

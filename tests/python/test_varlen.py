@@ -69,7 +69,7 @@ def test_decode_varlen_cuda_matches_cpu(preset):
 def test_decode_varlen_rows_outside_every_sequence_are_zero_and_short_contexts_mask():
     """Rows past query_start_loc[-1] are zeros; with seq_len < q_len the first rows see nothing."""
     preset = "turboquant_4bit_nc"
-    cache, bt, sl, keys, values = make_paged_batch([3], 16, 2, 64, preset, seed=5)
+    cache, bt, sl, _, _ = make_paged_batch([3], 16, 2, 64, preset, seed=5)
     query = torch.randn(7, 4, 64)
     starts = torch.tensor([0, 5], dtype=torch.int32)  # 5 query tokens over 3 cached ones; rows 5, 6 unused
     out = tq.decode_varlen(query, cache, bt, sl, starts, preset, 0.125)
