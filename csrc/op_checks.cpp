@@ -5,6 +5,7 @@
 #include "turboquant/split_plan.h"
 
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 namespace turboquant {
@@ -113,13 +114,17 @@ StoreArgs check_store_kv_args(const at::Tensor& key, const at::Tensor& value,
 }
 
 static void check_block_table_and_seq_lens(const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                           int64_t batch) {
+                                           int64_t batch, int64_t block_size) {
   check_index_tensor(block_table, "block_table", 2, /*allow_int64=*/false);
   check_index_tensor(seq_lens, "seq_lens", 1, /*allow_int64=*/false);
   TQ_CHECK(block_table.size(0) == batch, "turboquant: block_table must have ", batch,
               " rows (batch), got ", block_table.size(0));
   TQ_CHECK(seq_lens.size(0) == batch, "turboquant: seq_lens must have ", batch,
               " entries (batch), got ", seq_lens.size(0));
+  // Token positions are int32 like seq_lens: the kernels clamp lengths to this capacity in 32 bits.
+  TQ_CHECK(block_table.size(1) * block_size <= std::numeric_limits<int32_t>::max(),
+           "turboquant: block_table covers at most 2^31 - 1 tokens per sequence; got ", block_table.size(1),
+           " blocks of ", block_size, " tokens");
 }
 
 // Query, cache, block table and lengths of a decode: one query row per sequence, or, with
@@ -138,9 +143,9 @@ static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor&
   TQ_CHECK(query.is_contiguous(), "turboquant: query must be contiguous");
   a.layout = layout_or_throw(*a.preset, query.size(2));
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
-  TQ_CHECK(a.cache.num_kv_heads > 0 && query.size(1) % a.cache.num_kv_heads == 0,
+  TQ_CHECK(a.cache.num_kv_heads > 0 && query.size(1) > 0 && query.size(1) % a.cache.num_kv_heads == 0,
               "turboquant: query heads (", query.size(1),
-              ") must be a multiple of kv_cache heads (", a.cache.num_kv_heads, ")");
+              ") must be a positive multiple of kv_cache heads (", a.cache.num_kv_heads, ")");
   a.batch = query.size(0);
   if (query_start_loc != nullptr) {
     check_index_tensor(*query_start_loc, "query_start_loc", 1, /*allow_int64=*/false);
@@ -148,7 +153,7 @@ static DecodeArgs check_decode_common(const at::Tensor& query, const at::Tensor&
     check_same_device(query, "query", *query_start_loc, "query_start_loc");
     a.batch = query_start_loc->size(0) - 1;
   }
-  check_block_table_and_seq_lens(block_table, seq_lens, a.batch);
+  check_block_table_and_seq_lens(block_table, seq_lens, a.batch, a.cache.block_size);
   TQ_CHECK(num_splits >= 0 && num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be in [0, ",
            kMaxDecodeSplits, "] (0 = the library chooses), got ", num_splits);
   check_same_device(query, "query", kv_cache, "kv_cache");
@@ -205,7 +210,7 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
   a.layout = layout_or_throw(*a.preset, head_dim);
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
   check_index_tensor(block_table, "block_table", 2, /*allow_int64=*/false);  // before its rows are read
-  check_block_table_and_seq_lens(block_table, seq_lens, block_table.size(0));
+  check_block_table_and_seq_lens(block_table, seq_lens, block_table.size(0), a.cache.block_size);
   check_same_device(kv_cache, "kv_cache", block_table, "block_table");
   check_same_device(kv_cache, "kv_cache", seq_lens, "seq_lens");
   a.batch = block_table.size(0);

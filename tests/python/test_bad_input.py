@@ -58,7 +58,12 @@ def _decode_args(**over):
 DECODE_CASES = {
     "query rank": (dict(query=torch.randn(2, 1024)), "query must be 3-D"),
     "query dtype": (dict(query=torch.randn(2, 8, 128).double()), "query must be float16, bfloat16 or float32"),
-    "heads not multiple": (dict(query=torch.randn(2, 7, 128)), "query heads \\(7\\) must be a multiple of kv_cache heads \\(2\\)"),
+    "heads not multiple": (dict(query=torch.randn(2, 7, 128)), "query heads \\(7\\) must be a positive multiple of kv_cache heads \\(2\\)"),
+    "no query heads": (dict(query=torch.randn(2, 0, 128)), "query heads \\(0\\) must be a positive multiple"),
+    # 2^24 + 1 blocks of 128 tokens (torch.empty: 128 MB never touched).
+    "block_table past int32 tokens": (dict(kv_cache=tq.allocate_kv_cache(4, 128, 2, 128, P),
+                                           block_table=torch.empty(2, 2**24 + 1, dtype=torch.int32)),
+                                      r"covers at most 2\^31 - 1 tokens per sequence; got 16777217 blocks of 128"),
     "head_dim vs cache": (dict(query=torch.randn(2, 8, 64)), "kv_cache last dim must be 70 bytes"),
     "block_table dtype": (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), "block_table must be int32"),
     "block_table rows": (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), "block_table must have 2 rows"),
