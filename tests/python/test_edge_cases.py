@@ -66,3 +66,34 @@ def test_nan_or_inf_stays_in_its_sequence(preset, bad):
     out = tq.decode(torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(1)), cache, bt, sl, preset, 0.1)
     torch.testing.assert_close(out[1], clean[1], rtol=0, atol=0)  # the other sequence is untouched
     assert not torch.isfinite(out[0, :2]).all(), "the sequence that reads the token sees it"
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_key_norm_past_fp16_keeps_the_direction(preset):
+    """A key whose norm is past fp16's range stores a saturated norm: the decoded key keeps the
+    direction (as well as the codebook allows at that bit width) and has a finite length."""
+    g = torch.Generator().manual_seed(4)
+    direction = torch.randn(128, generator=g)
+    small, _ = _store_one(preset, direction, torch.zeros(128))
+    big, _ = _store_one(preset, direction * 1e6, torch.zeros(128))
+    assert torch.isfinite(big).all()
+    assert 60000.0 < big.norm() <= 65504.0  # 65504 times the unit-norm-ish codebook vector
+    cos = torch.nn.functional.cosine_similarity(big, direction, dim=0).item()
+    assert cos == pytest.approx(torch.nn.functional.cosine_similarity(small, direction, dim=0).item(), abs=1e-5)
+    assert cos > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_inf_value_decodes_to_nan_in_every_output_dtype(dtype):
+    """An inf in a stored value makes its scale inf, so the token's whole value vector decodes to
+    NaN, and fp16 outputs pass it through (only finite results are clamped to +-65504)."""
+    preset = "turboquant_4bit_nc"
+    value = torch.randn(128)
+    value[7] = float("inf")
+    cache = tq.allocate_kv_cache(1, 16, 1, 128, preset)
+    tq.store_kv(torch.randn(1, 1, 128), value.view(1, 1, 128), cache, torch.zeros(1, dtype=torch.int32), preset)
+    bt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    _, v = tq.dequantize(cache, bt, sl, preset, dtype)
+    assert v.isnan().all()
+    out = tq.decode(torch.randn(1, 4, 128).to(dtype), cache, bt, sl, preset, 0.1)
+    assert out.isnan().all()
