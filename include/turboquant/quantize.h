@@ -23,12 +23,14 @@ struct Codebook {
 };
 
 // Index of the Lloyd-Max cell of y: the number of midpoints <= y (a coordinate equal to a midpoint
-// goes to the upper cell). Branch-free binary search over the ascending midpoints (levels a power
-// of two); NaN compares false everywhere and lands in cell 0.
+// goes to the upper cell). Binary search over the ascending midpoints (levels a power of two),
+// branch-free: the comparison's 0 or 1 scales the step (written as a select, gcc -O3 branched on
+// it, and random coordinates mispredicted about half the branches: 60 % of the CPU store's time);
+// NaN compares false everywhere and lands in cell 0.
 TQ_HD uint32_t lloyd_max_index(float y, const float* midpoints, int levels) {
   uint32_t idx = 0;
   for (int step = levels >> 1; step > 0; step >>= 1) {
-    idx += (midpoints[idx + step - 1] <= y) ? static_cast<uint32_t>(step) : 0u;
+    idx += static_cast<uint32_t>(midpoints[idx + step - 1] <= y) * static_cast<uint32_t>(step);
   }
   return idx;
 }
