@@ -12,6 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import turboquant  # noqa: E402
 
+# Under pytest-xdist each worker would start as many intra-op threads as there are cores (12
+# workers x 16 threads on the GPU machine), and the CPU references' parallel loops (store_kv,
+# decode) then contend for them: give each worker its share of the cores instead.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 CUDA_OK = torch.cuda.is_available() and turboquant.has_cuda_kernels()
 requires_cuda = pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA device and a CUDA build of the ops")
 
