@@ -5,7 +5,6 @@
 #include "turboquant/split_plan.h"
 
 #include <cstdlib>
-#include <limits>
 #include <stdexcept>
 
 namespace turboquant {
@@ -121,9 +120,11 @@ static void check_block_table_and_seq_lens(const at::Tensor& block_table, const 
               " rows (batch), got ", block_table.size(0));
   TQ_CHECK(seq_lens.size(0) == batch, "turboquant: seq_lens must have ", batch,
               " entries (batch), got ", seq_lens.size(0));
-  // Token positions are int32 like seq_lens: the kernels clamp lengths to this capacity in 32 bits.
-  TQ_CHECK(block_table.size(1) * block_size <= std::numeric_limits<int32_t>::max(),
-           "turboquant: block_table covers at most 2^31 - 1 tokens per sequence; got ", block_table.size(1),
+  // Token positions are int32 like seq_lens: the kernels clamp lengths to this capacity and split
+  // them (split_token_range: a split's end is at most the length plus 16 tokens per split) in 32
+  // bits, so 2^30 tokens leave the headroom (2^31 - 1 wrapped; near it 256 splits came out empty).
+  TQ_CHECK(block_table.size(1) * block_size <= (int64_t{1} << 30),
+           "turboquant: block_table covers at most 2^30 tokens per sequence; got ", block_table.size(1),
            " blocks of ", block_size, " tokens");
 }
 

@@ -85,16 +85,22 @@ def store_fp16_extremes(preset: str, head_dim: int = 128):
     return cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
 
-def poison_next_allocations(out_like: torch.Tensor, workspace: bool = False) -> None:
+def poison_next_allocations(out_like: torch.Tensor, workspace: bool = False, splits: int = 0) -> None:
     """NaN left in freed blocks of the caching allocator that the next allocations reuse: one of
     out_like's size (the output takes it) and, with `workspace`, ~1 MB of the small pool and 8 MB of
-    the large one (a split workspace comes from either, by its size). An output element,
+    the large one (a split workspace comes from either, by its size), and where the split count is
+    known (`splits` > 0, out_like a decode's [rows, Hq, D] query) blocks of the workspace's exact
+    sizes, which larger workspaces (hundreds of MB at 256 splits) take first. An output element,
     log-sum-exp or partial vector the decode should have written and did not then shows up as NaN.
     Call it once the inputs are on the GPU."""
     junk = [torch.full_like(out_like, float("nan"))]
     if workspace:
         junk.append(torch.full(((1 << 18) - 64,), float("nan"), device=out_like.device))
         junk.append(torch.full((1 << 21,), float("nan"), device=out_like.device))
+        if splits > 0:
+            rows, heads, head_dim = out_like.shape
+            junk.append(torch.full((rows * heads * splits * head_dim,), float("nan"), device=out_like.device))
+            junk.append(torch.full((rows * heads * splits,), float("nan"), device=out_like.device))
     del junk
 
 
@@ -104,7 +110,7 @@ def poisoned_cuda_decode(q, cache, bt, sl, preset: str, scale: float, splits: in
     will be allocated (poison_next_allocations), so an element the kernel forgets to write cannot
     pass. Returns the output on the CPU."""
     args = [t.cuda() for t in (q, cache, bt, sl)]
-    poison_next_allocations(args[0], workspace)
+    poison_next_allocations(args[0], workspace, splits)
     return tq.decode(*args, preset, scale, splits).cpu()
 
 

@@ -60,10 +60,10 @@ DECODE_CASES = {
     "query dtype": (dict(query=torch.randn(2, 8, 128).double()), "query must be float16, bfloat16 or float32"),
     "heads not multiple": (dict(query=torch.randn(2, 7, 128)), "query heads \\(7\\) must be a positive multiple of kv_cache heads \\(2\\)"),
     "no query heads": (dict(query=torch.randn(2, 0, 128)), "query heads \\(0\\) must be a positive multiple"),
-    # 2^24 + 1 blocks of 128 tokens (torch.empty: 128 MB never touched).
-    "block_table past int32 tokens": (dict(kv_cache=tq.allocate_kv_cache(4, 128, 2, 128, P),
-                                           block_table=torch.empty(2, 2**24 + 1, dtype=torch.int32)),
-                                      r"covers at most 2\^31 - 1 tokens per sequence; got 16777217 blocks of 128"),
+    # 2^23 + 1 blocks of 128 tokens (torch.empty: 64 MB never touched).
+    "block_table past 2^30 tokens": (dict(kv_cache=tq.allocate_kv_cache(4, 128, 2, 128, P),
+                                          block_table=torch.empty(2, 2**23 + 1, dtype=torch.int32)),
+                                     r"covers at most 2\^30 tokens per sequence; got 8388609 blocks of 128"),
     "head_dim vs cache": (dict(query=torch.randn(2, 8, 64)), "kv_cache last dim must be 70 bytes"),
     "block_table dtype": (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), "block_table must be int32"),
     "block_table rows": (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), "block_table must have 2 rows"),
@@ -144,3 +144,14 @@ def test_checking_mode_names_the_callers_entries_in_decode_varlen(monkeypatch):
     with pytest.raises(RuntimeError, match=r"block_table\[1, 1\] = 7 is outside \[0, 2\)"):
         tq.decode_varlen(q, cache, torch.tensor([[0, 1], [1, 7]], dtype=torch.int32),
                          torch.tensor([10, 20], dtype=torch.int32), starts, P, 0.1)
+
+
+def test_a_block_table_of_2_30_tokens_is_accepted():
+    """The widest table the checks take (2^30 tokens: 2^23 blocks of 128) decodes like a narrow one."""
+    cache = tq.allocate_kv_cache(2, 128, 2, 128, P)
+    key = torch.randn(100, 2, 128)
+    tq.store_kv(key, key, cache, torch.arange(100, dtype=torch.int32), P)
+    q, sl = torch.randn(1, 4, 128), torch.tensor([100], dtype=torch.int32)
+    wide = torch.zeros(1, 2**23, dtype=torch.int32)
+    narrow = torch.zeros(1, 1, dtype=torch.int32)
+    torch.testing.assert_close(tq.decode(q, cache, wide, sl, P, 0.1, 256), tq.decode(q, cache, narrow, sl, P, 0.1, 256))

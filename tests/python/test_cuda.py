@@ -396,8 +396,9 @@ def test_decode_k8v4_d96_and_masked_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_matches_cpu(preset, dtype):
     """CUDA dequantize against the CPU's fp32: equal up to fp32 rounding, and for bf16 outputs one
-    rounding of each element (at most bf16's unit roundoff, 2^-8). Outputs poisoned, so the zeros
-    past each length must be written."""
+    rounding of each element (at most bf16's unit roundoff, 2^-8). The outputs' blocks are poisoned:
+    the op zero-fills them before its kernel runs, and a change that dropped the fill or left a
+    position unwritten would show NaN here."""
     cache, bt, sl, _, _ = make_paged_batch([33, 0, 70], 32, 2, 128, preset)
     kc, vc = tq.dequantize(cache, bt, sl, preset, torch.float32)
     dev = [t.cuda() for t in (cache, bt, sl)]
