@@ -41,6 +41,17 @@ def half_value(data: bytes) -> float:
     return torch.tensor(list(data), dtype=torch.uint8).view(torch.float16).item()
 
 
+def key_norm_reference(key: torch.Tensor, indices: torch.Tensor, preset: str) -> bytes:
+    """The stored fp16 key norm (Lloyd-Max keys) of `key` with these centroid indices: ||key||,
+    divided by the centroid vector's norm for norm-corrected presets, saturated at 65504."""
+    info = tq.preset_info(preset)
+    centroids, _ = tq.codebook(info.key_bits, key.numel())
+    norm = key.to(torch.float64).norm().item()
+    c = centroids.to(torch.float64)[indices]
+    stored = norm / c.norm().item() if info.norm_correction else norm
+    return half_bytes(min(stored, 65504.0))
+
+
 def encode_slot_reference(key: torch.Tensor, value: torch.Tensor, preset: str):
     """Reference encoding of one (token, head): returns (slot bytes, key-index ambiguity mask).
 
@@ -64,10 +75,8 @@ def encode_slot_reference(key: torch.Tensor, value: torch.Tensor, preset: str):
         idx = torch.bucketize(y, midpoints.to(torch.float64), right=True)  # count of midpoints <= y
         gap = (y[:, None] - midpoints.to(torch.float64)[None, :]).abs().min(dim=1).values
         ambiguous = gap < 1e-6 * (abs(midpoints[-1].item()) + 1.0)
-        c = centroids.to(torch.float64)[idx]
-        stored = norm / c.norm().item() if info.norm_correction else norm
         out[0:layout.key_data_bytes] = pack_bits(idx.tolist(), info.key_bits)
-        out[layout.key_norm_offset:layout.key_norm_offset + 2] = half_bytes(min(stored, 65504.0))
+        out[layout.key_norm_offset:layout.key_norm_offset + 2] = key_norm_reference(key, idx, preset)
     v32 = value.to(torch.float32)
     # + 0.0: a zero min or max is stored as +0, whatever its sign. SPEC's fp16(min) leaves the sign
     # of a zero min to the order in which a reduction met +0 and -0; the library fixes it
