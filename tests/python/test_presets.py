@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import turboquant as tq
+from reference import hadamard_matrix
 
 SLOT_SIZES = {
     "turboquant_k8v4": {64: 100, 128: 196, 256: 388},
@@ -62,7 +63,11 @@ def test_codebook_is_symmetric_gaussian_levels_over_sqrt_d():
     torch.testing.assert_close(m, (c[1:] + c[:-1]) / 2)
 
 
-def test_hadamard_orthonormal_symmetric():
-    h = tq.hadamard(128).double()
-    torch.testing.assert_close(h @ h.T, torch.eye(128, dtype=torch.float64), atol=1e-6, rtol=0)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hadamard_is_the_sylvester_matrix(d):
+    """The exposed rotation is SPEC's: the Sylvester (natural-order) Hadamard matrix / sqrt(D),
+    against the popcount formula of the independent reference; orthonormal and symmetric."""
+    h = tq.hadamard(d).double()
+    torch.testing.assert_close(h, hadamard_matrix(d), atol=1e-7, rtol=0)
+    torch.testing.assert_close(h @ h.T, torch.eye(d, dtype=torch.float64), atol=1e-6, rtol=0)
     torch.testing.assert_close(h, h.T)
