@@ -614,7 +614,7 @@ def test_out_of_range_indices_touch_nothing_on_cuda(preset):
     bad_bt = torch.cat([bt, torch.tensor([[-3], [1 << 30]], dtype=torch.int32)], dim=1)
     bad_bt[1, 0] = cache.shape[0]  # one past the last block
     for splits in (1, 3):
-        q = torch.randn(2, 8, 128)
+        q = torch.randn(2, 8, 128).half().float()  # the reference sees the query the GPU gets
         ref = tq.decode(q, cache, bad_bt, torch.tensor([10_000, 60], dtype=torch.int32), preset, 0.1, splits)
         out = tq.decode(q.cuda().half(), gpu, bad_bt.cuda(), torch.tensor([10_000, 60], dtype=torch.int32, device="cuda"),
                         preset, 0.1, splits)
