@@ -51,7 +51,7 @@ if has probe; then  # standalone, no torch: compile it while the library builds
   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/tma_probe.cu -L/usr/local/cuda/lib64/stubs -lcuda \
     -o "$OUT/tma_probe.bin" > "$OUT/tma_probe_build.log" 2>&1 &
 fi
-build_turboquant > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+build_turboquant -DTURBOQUANT_BUILD_TESTS=ON > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 wait
 echo "== built in $(( $(date +%s) - start )) s"
 status=0
@@ -112,7 +112,7 @@ fi
 if has tests; then
   mark_step tests
   # Kept in $OUT too: a long pytest log pushes the verdict out of the returned tail.
-  ctest --test-dir "$BUILD_DIR" -j 8 > "$OUT/ctest.log" 2>&1 || status=1
+  ctest --test-dir "$BUILD_DIR" --no-tests=error -j 8 > "$OUT/ctest.log" 2>&1 || status=1
   tail -3 "$OUT/ctest.log"
   PYTHONPATH=python timeout "${TESTS_TIMEOUT:-520}" "$PYTHON" -m pytest ${TESTS:-tests/python} -v -rfs -n 12 --durations=12 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest.log" 2>&1 || status=1
   # -v names every result as it comes, so a run cut short by the time limit still names its

@@ -206,8 +206,10 @@ TEST(SplitPlan, ARowThatWouldFillOneCtaPerSmOfATwoPerSmGridTakesTheGrid) {
 }
 
 TEST(SplitPlan, RangesTileTheSequenceInWholeTiles) {
-  for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149}) {
-    for (int splits : {1, 3, 7, 33}) {
+  // Up to the longest context the argument checks accept (2^30 tokens: op_checks.cpp) and the
+  // most splits (256), where the 32-bit split ends must not wrap.
+  for (int seq_len : {0, 1, 15, 16, 17, 1000, 8192, 131149, (1 << 30) - 4097, (1 << 30) - 1, 1 << 30}) {
+    for (int splits : {1, 3, 7, 33, 255, kMaxDecodeSplits}) {
       int covered = 0;
       for (int s = 0; s < splits; ++s) {
         const TokenRange r = split_token_range(seq_len, splits, s);
