@@ -101,15 +101,16 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.scale = static_cast<float>(scale);
+  const DecodeKernel kernel = choose_decode_kernel(p);
   if (num_splits > 0) {
     p.num_splits = static_cast<int>(num_splits);  // as asked: every sequence is divided into that many
   } else {
-    choose_decode_splits(p);
+    choose_decode_splits(p, kernel);
   }
   TQ_CHECK(p.num_splits <= kMaxDecodeSplits, "turboquant: num_splits must be at most ", kMaxDecodeSplits, ", got ",
            p.num_splits);
   at::Tensor partial_out, partial_lse;
-  if (decode_uses_split_workspace(p)) {  // not where one split or a cluster merge needs none
+  if (decode_uses_split_workspace(p, kernel)) {  // not where one split or a cluster merge needs none
     const auto f32 = query.options().dtype(at::kFloat);
     const int64_t rows = query.size(0);
     partial_out = at::empty({rows, a.num_q_heads, p.num_splits, a.layout.head_dim}, f32);
@@ -119,7 +120,7 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
   }
-  const cudaError_t err = launch_decode(p, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = launch_decode(p, kernel, c10::cuda::getCurrentCUDAStream());
   TQ_CHECK(err != cudaErrorInvalidConfiguration, "turboquant: decode_varlen supports at most 65535 query chunks ",
               "(query rows / tokens per CTA + batch); got ", query.size(0), " query rows in ", a.batch, " sequences");
   check_launch(err, varlen ? "decode_varlen" : "decode");

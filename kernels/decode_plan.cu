@@ -62,21 +62,26 @@ static int plan_per_head_splits(DecodeParams& p, int capacity) {
   return splits;
 }
 
+DecodeKernel choose_decode_kernel(const DecodeParams& p) {
+  if (use_chunked_varlen(p)) return DecodeKernel::kChunked;
+  return decode_rows_supports(p) ? DecodeKernel::kRows : DecodeKernel::kHeads;
+}
+
 // Splits fill one wave with the CTAs that have work (the per-head kernel: one or two CTAs per SM
 // by its split waves, each row taking its share of them by its own context (row_splits_in_grid); the row kernel:
 // decode_num_splits; turboquant/split_plan.h; the chunked kernel: two): for varlen queries the grid's empty
 // alignment chunks (varlen_query_chunks) are left out of the count, or a single chunk would get
 // too few splits (H200, L = 32k, GQA 4, chunked kernel: 16 tokens got 16 splits instead of 33,
 // 128 tokens 3 instead of 4).
-void choose_decode_splits(DecodeParams& p) {
+void choose_decode_splits(DecodeParams& p, DecodeKernel kernel) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
-  if (use_chunked_varlen(p)) {  // 2 CTAs per SM (shared memory, 128 registers)
+  if (kernel == DecodeKernel::kChunked) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
     p.num_splits =
         std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), kMaxPlannedSplits);
-  } else if (decode_rows_supports(p)) {  // one CTA per 8 KV heads; each warp sees every tile of its split
+  } else if (kernel == DecodeKernel::kRows) {  // one CTA per 8 KV heads; each warp sees every tile of its split
     // Planned in CTAs: where one CTA serves two splits (Lloyd-Max keys), whole pairs of splits, so no
     // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
     // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128. Known
@@ -88,7 +93,7 @@ void choose_decode_splits(DecodeParams& p) {
     // CTAs, though two fit, are planned one per SM as in the per-head kernel (decode_split_waves).
     const int per_cta = decode_rows_splits_per_cta(p);
     const int splits = per_cta * decode_num_splits(p.layout.key_format == KeyFormat::kFp8, p.batch,
-                                                   p.cache.num_kv_heads / kDecodeWarps, max_context, device_sm_count(),
+                                                   p.cache.num_kv_heads / kRowHeads, max_context, device_sm_count(),
                                                    /*resident_per_sm=*/1, /*warps_per_range=*/1);
     p.num_splits = std::min(splits, kMaxPlannedSplits * per_cta);  // kMaxDecodeSplits at 2 per CTA
   } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
@@ -96,20 +101,19 @@ void choose_decode_splits(DecodeParams& p) {
   }
 }
 
-// The kernel choice of launch_decode, asked for its workspace: the chunked and row kernels merge
-// through it, the per-head kernel unless its splits merge in a cluster.
-bool decode_uses_split_workspace(const DecodeParams& p) {
+// The chunked and row kernels merge through the workspace, the per-head kernel unless its splits
+// merge in a cluster.
+bool decode_uses_split_workspace(const DecodeParams& p, DecodeKernel kernel) {
   if (p.num_splits < 2) return false;
-  if (use_chunked_varlen(p) || decode_rows_supports(p)) return true;
-  return !decode_heads_merge_in_cluster(p);
+  return kernel != DecodeKernel::kHeads || !decode_heads_merge_in_cluster(p);
 }
 
-cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+cudaError_t launch_decode(const DecodeParams& p, DecodeKernel kernel, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
-  if (use_chunked_varlen(p)) return launch_decode_chunked(p, stream);
+  if (kernel == DecodeKernel::kChunked) return launch_decode_chunked(p, stream);
   if (decode_query_chunks(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
-  if (decode_rows_supports(p)) return launch_decode_rows(p, stream);
+  if (kernel == DecodeKernel::kRows) return launch_decode_rows(p, stream);
   if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
   return launch_decode_heads(p, stream);
 }

@@ -34,7 +34,6 @@
 namespace turboquant {
 namespace {
 
-constexpr int kRowHeads = kDecodeWarps;  // KV heads per CTA, one warp each
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {

@@ -109,15 +109,21 @@ int env_kernel_choice(const char* variable, const char* first, const char* secon
 // dispatch.cuh): yes unless TURBOQUANT_SMEM_CARVEOUT=auto (read once per process).
 bool smem_carveout_max_requested();
 
+// The kernel that serves a decode, from its shapes alone (decode_plan.cu): the chunked kernel for
+// varlen queries with enough columns per chunk, the row-staged kernel where it supports and is
+// preferred for the shape, else the per-head kernel. Chosen once per call; the split plan, the
+// workspace query and the launch all take the choice, so they cannot disagree.
+enum class DecodeKernel { kHeads, kRows, kChunked };
+DecodeKernel choose_decode_kernel(const DecodeParams& p);
 // The library's split plan for these shapes on the current device: sets p.num_splits and, where
 // the per-head kernel serves p, p.split_waves (each row's share of the grid by its context).
-void choose_decode_splits(DecodeParams& p);
-// Whether launch_decode(p) uses p.partial_out and p.partial_lse (sized for p.num_splits partials
-// per row): not for one split, nor where the per-head kernel merges its splits inside a cluster.
-bool decode_uses_split_workspace(const DecodeParams& p);
+void choose_decode_splits(DecodeParams& p, DecodeKernel kernel);
+// Whether launch_decode(p, kernel) uses p.partial_out and p.partial_lse (sized for p.num_splits
+// partials per row): not for one split, nor where the per-head kernel merges its splits inside a cluster.
+bool decode_uses_split_workspace(const DecodeParams& p, DecodeKernel kernel);
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
-cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_decode(const DecodeParams& p, DecodeKernel kernel, cudaStream_t stream);
 // Log-sum-exp merge of a split decode's partial results into p.out (decode_merge.cu).
 cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
 
@@ -126,8 +132,9 @@ cudaError_t launch_decode_merge(const DecodeParams& p, cudaStream_t stream);
 bool decode_chunked_supports(const DecodeParams& p);
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 
-// Plain decodes of token-major caches with KV heads in 8s (decode_rows.cu): one CTA per 8 KV
-// heads stages whole token rows by bulk copies. launch_decode takes it where it supports the shape
+// Plain decodes of token-major caches with KV heads in 8s (decode_rows.cu): one CTA per kRowHeads
+// KV heads stages whole token rows by bulk copies.
+constexpr int kRowHeads = kDecodeWarps;  // KV heads per row-kernel CTA (per half), one warp each launch_decode takes it where it supports the shape
 // and its grid fills half the SMs with 3 or more rows (row_kernel_preferred, turboquant/split_plan.h).
 bool decode_rows_supports(const DecodeParams& p);
 int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for Lloyd-Max keys (one CTA of 16 warps), else 1
