@@ -5,6 +5,7 @@
 #include "turboquant/split_plan.h"
 
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 
 namespace turboquant {
@@ -112,10 +113,13 @@ StoreArgs check_store_kv_args(const at::Tensor& key, const at::Tensor& value,
   return a;
 }
 
+// expected_batch: the sequences the other arguments imply, or none where the block table's rows say it
+// (dequantize), read once its rank is checked.
 static void check_block_table_and_seq_lens(const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                           int64_t batch, int64_t block_size) {
+                                           std::optional<int64_t> expected_batch, int64_t block_size) {
   check_index_tensor(block_table, "block_table", 2, /*allow_int64=*/false);
   check_index_tensor(seq_lens, "seq_lens", 1, /*allow_int64=*/false);
+  const int64_t batch = expected_batch.value_or(block_table.size(0));
   TQ_CHECK(block_table.size(0) == batch, "turboquant: block_table must have ", batch,
               " rows (batch), got ", block_table.size(0));
   TQ_CHECK(seq_lens.size(0) == batch, "turboquant: seq_lens must have ", batch,
@@ -210,8 +214,7 @@ DecodeArgs check_dequantize_args(const at::Tensor& kv_cache, const at::Tensor& b
               " bytes matches no head_dim for preset ", a.preset->name);
   a.layout = layout_or_throw(*a.preset, head_dim);
   a.cache = check_kv_cache(kv_cache, a.layout, *a.preset);
-  check_index_tensor(block_table, "block_table", 2, /*allow_int64=*/false);  // before its rows are read
-  check_block_table_and_seq_lens(block_table, seq_lens, block_table.size(0), a.cache.block_size);
+  check_block_table_and_seq_lens(block_table, seq_lens, std::nullopt, a.cache.block_size);
   check_same_device(kv_cache, "kv_cache", block_table, "block_table");
   check_same_device(kv_cache, "kv_cache", seq_lens, "seq_lens");
   a.batch = block_table.size(0);

@@ -68,7 +68,7 @@ def encode_slot_reference(key: torch.Tensor, value: torch.Tensor, preset: str):
         fp8 = k32.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
         out[0:d] = bytes(fp8.tolist())
     else:
-        centroids, midpoints = tq.codebook(info.key_bits, d)
+        _, midpoints = tq.codebook(info.key_bits, d)
         k64 = key.to(torch.float64)
         norm = k64.norm().item()
         y = hadamard_matrix(d) @ (k64 / (norm + 1e-8))
