@@ -34,7 +34,6 @@
 namespace turboquant {
 namespace {
 
-
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   using Slot = PackedSlot<D_, kFp8Key_, KB_, VB_>;

@@ -133,9 +133,9 @@ bool decode_chunked_supports(const DecodeParams& p);
 cudaError_t launch_decode_chunked(const DecodeParams& p, cudaStream_t stream);
 
 // Plain decodes of token-major caches with KV heads in 8s (decode_rows.cu): one CTA per kRowHeads
-// KV heads stages whole token rows by bulk copies.
-constexpr int kRowHeads = kDecodeWarps;  // KV heads per row-kernel CTA (per half), one warp each launch_decode takes it where it supports the shape
-// and its grid fills half the SMs with 3 or more rows (row_kernel_preferred, turboquant/split_plan.h).
+// KV heads stages whole token rows by bulk copies. choose_decode_kernel takes it where it supports
+// the shape and its grid fills half the SMs with 3 or more rows (row_kernel_preferred, turboquant/split_plan.h).
+constexpr int kRowHeads = kDecodeWarps;  // KV heads per row-kernel CTA (per half), one warp each
 bool decode_rows_supports(const DecodeParams& p);
 int decode_rows_splits_per_cta(const DecodeParams& p);  // 2 for Lloyd-Max keys (one CTA of 16 warps), else 1
 int forced_decode_kernel();  // TURBOQUANT_DECODE_KERNEL: 0 unset, 1 heads, 2 rows (decode_rows.cu)
