@@ -6,8 +6,11 @@ prefill chunks. For every step the layer:
   2. decodes the decode sequences on the packed cache (one ``decode`` call),
   3. first prefill chunks (nothing cached before them) run SDPA, causal, on the raw K/V,
   4. continuation chunks run ``decode_varlen`` on the packed cache when short (<=
-     ``varlen_threshold`` tokens), else dequantize the sequence and run SDPA, causal aligned to the
-     bottom right (the chunk's last token sees the whole context).
+     ``varlen_threshold`` tokens; the chunk's own keys are read back packed, as the kernel reads
+     only the cache), else dequantize the tokens cached before the chunk and run SDPA over them and
+     the chunk's own raw K/V, causal aligned to the bottom right (the chunk's last token sees the
+     whole context). Raw own K/V is what vLLM's TurboQuant backend attends to in a chunked prefill,
+     and it keeps a long chunk's attention to itself exact.
 A layer built with ``preset=None`` keeps a plain paged bf16/fp16 cache (the boundary layers that
 ``boundary_skip_layers`` selects) and runs every part with SDPA over the gathered cache.
 
@@ -62,6 +65,20 @@ class PagedAttentionLayer:
             self.cache = self._rows[:rows].view(num_blocks, block_size, 2, num_kv_heads, head_dim)
         else:
             self.cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device)
+
+    def grow(self, num_blocks: int) -> None:
+        """Enlarges a packed cache to ``num_blocks`` blocks, keeping the blocks it holds (block ids
+        stay valid). A cache that serves a growing conversation calls this instead of reserving
+        the longest context up front."""
+        if self.preset is None:
+            raise ValueError("turboquant: only a packed cache (preset given) grows; the plain cache is sized at creation")
+        have = self.cache.shape[0]
+        if num_blocks <= have:
+            return
+        grown = allocate_kv_cache(num_blocks, self.block_size, self.cache.shape[2], self.head_dim, self.preset,
+                                  self.cache.device)
+        grown[:have].copy_(self.cache)
+        self.cache = grown
 
     # ---- cache access
     def _store(self, key, value, slot_mapping):
@@ -133,9 +150,11 @@ class PagedAttentionLayer:
                 out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale)
             elif self.preset is not None and q_len <= self.varlen_threshold:
                 on_packed.append(b)
-            else:
-                k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1])
-                out[s:e] = self._sdpa(query[s:e], k[0, :lens[b]], v[0, :lens[b]], scale)
+            else:  # the cached prefix dequantized, then the chunk's own raw K/V
+                k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1] - q_len)
+                k = torch.cat([k[0, :cached_before].to(key.dtype), key[s:e]])
+                v = torch.cat([v[0, :cached_before].to(value.dtype), value[s:e]])
+                out[s:e] = self._sdpa(query[s:e], k, v, scale)
         if nd > 0:
             out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale)
         if on_packed:

@@ -1,6 +1,6 @@
 """The reference attention layer over a mixed batch: decodes first, then a first prefill chunk
-and continuation chunks (short: decode_varlen; long: dequantize + SDPA), against float64 attention
-over what the cache holds."""
+and continuation chunks (short: decode_varlen; long: the dequantized prefix and the chunk's own raw
+K/V through SDPA), against float64 attention over what the cache holds."""
 
 import pytest
 import torch
@@ -56,10 +56,14 @@ def test_mixed_batch_matches_attention_over_the_cache(preset):
     for b in range(4):
         s, e = starts[b], starts[b + 1]
         n = int(meta.seq_lens[b])
+        kb, vb = keys[b, :n].double(), values[b, :n].double()
+        if e - s > 8:  # a long chunk (past the threshold) attends to its own raw K/V
+            kb = torch.cat([kb[:n - (e - s)], k[s:e].double()])
+            vb = torch.cat([vb[:n - (e - s)], v[s:e].double()])
         for i in range(e - s):
             limit = n - (e - s) + 1 + i
-            kk = keys[b, :limit].double().repeat_interleave(hq // hkv, 1)
-            vv = values[b, :limit].double().repeat_interleave(hq // hkv, 1)
+            kk = kb[:limit].repeat_interleave(hq // hkv, 1)
+            vv = vb[:limit].repeat_interleave(hq // hkv, 1)
             sc = torch.einsum("hd,thd->ht", q[s + i].double(), kk) * 0.125
             ref = torch.einsum("ht,thd->hd", sc.softmax(-1), vv)
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)

@@ -1,0 +1,350 @@
+"""turboquant.hf inside transformers: a real model (SmolLM2-135M-Instruct) and small random models
+of the Qwen2 and Mistral architectures, on the CPU.
+
+The references are the same model run through transformers' own cache and SDPA: with the plain
+cache (greedy tokens), or with a DynamicCache that holds exactly what the packed cache decodes
+to (the decode step's logits must then agree to fp32 rounding)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="turboquant.hf needs transformers (scripts/test.sh installs it)")
+
+import turboquant as tq  # noqa: E402
+import turboquant.hf as tqhf  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers.models.mistral import MistralConfig  # noqa: E402
+from transformers.models.qwen2 import Qwen2Config  # noqa: E402
+
+PROMPTS = ["The capital of France is",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+           "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from turboquant import assets
+    try:
+        return assets.load_model()
+    except FileNotFoundError as exc:
+        if os.environ.get("TURBOQUANT_REQUIRE_REAL_MODEL") == "1":
+            raise
+        pytest.skip(str(exc))
+
+
+def _tiny(config_cls, **kw):
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32 * 2, max_position_embeddings=512,
+                        attn_implementation="turboquant", **kw)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # Random weights give keys of the scale 1: scale q/k up so that attention is not uniform.
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.weight.data *= 4
+    return model
+
+
+def _cache(cache):
+    """The keyword that hands a cache to this transformers version's generate/forward."""
+    return {tqhf.CACHE_KWARG: cache}
+
+
+def _generate(model, input_ids, attention_mask=None, cache=None, steps=32):
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, **_cache(cache),
+                          max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          pad_token_id=0)
+
+
+def _assert_same_greedy_tokens(plain, other, prompt_len, margin):
+    """Tokens equal up to the first step where the plain run's top-2 logits are within ``margin``
+    (a near-tie that any rounding may flip); after it the runs may go apart."""
+    a, b = plain.sequences[0, prompt_len:], other.sequences[0, prompt_len:]
+    for step in range(a.shape[0]):
+        top2 = plain.logits[step][0].topk(2).values
+        if top2[0] - top2[1] < margin:
+            return step
+        assert a[step] == b[step], f"greedy token {step} differs where the plain run's top-2 margin is {top2[0] - top2[1]:.3f}"
+    return a.shape[0]
+
+
+# ---- construction ------------------------------------------------------------------------------
+def test_bad_constructor_arguments_are_refused_naming_them():
+    model = _tiny(Qwen2Config)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        tqhf.TurboQuantCache(model.config, preset="turboquant_2bit")
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        tqhf.TurboQuantCache(model.config, block_size=24)
+    with pytest.raises(ValueError, match="boundary_skip_layers must be an int >= 0"):
+        tqhf.TurboQuantCache(model.config, boundary_skip_layers=-1)
+    with pytest.raises(ValueError, match="skip_layers must be layer indices"):
+        tqhf.TurboQuantCache(model.config, skip_layers=[0, 4])
+    with pytest.raises(ValueError, match="varlen_threshold"):
+        tqhf.TurboQuantCache(model.config, varlen_threshold=-2)
+    with pytest.raises(ValueError, match="reserve_tokens"):
+        tqhf.TurboQuantCache(model.config, reserve_tokens=0)
+
+
+def test_cache_refuses_a_model_without_turboquant_attention():
+    model = _tiny(Qwen2Config)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match='attn_implementation="turboquant"'):
+        tqhf.TurboQuantCache(model.config)
+
+
+def test_attention_switched_away_after_construction_fails_loudly():
+    model = _tiny(Qwen2Config)
+    cache = tqhf.TurboQuantCache(model.config, boundary_skip_layers=0)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 256, (1, 8))
+    with pytest.raises(RuntimeError, match="never reached the packed cache"):
+        model.generate(input_ids=ids, **_cache(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_boundary_layers_stay_plain():
+    config = Qwen2Config(num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                         head_dim=64, attn_implementation="turboquant")
+    assert tqhf.TurboQuantCache(config).quantized_layers == [2, 3, 4, 5]
+    assert tqhf.TurboQuantCache(config, boundary_skip_layers=0).quantized_layers == list(range(8))
+    assert tqhf.TurboQuantCache(config, skip_layers=[1]).quantized_layers == [0, 2, 3, 4, 5, 6, 7]
+    assert tqhf.TurboQuantCache(config, boundary_skip_layers=3).quantized_layers == [2, 3, 4, 5]  # capped at half
+
+
+def test_sliding_window_layers_stay_plain_with_one_warning():
+    config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+                           attn_implementation="turboquant")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = tqhf.TurboQuantCache(config, boundary_skip_layers=0)
+    messages = [str(w.message) for w in caught if "turboquant" in str(w.message)]
+    assert len(messages) == 1 and "sliding_attention" in messages[0] and "[0, 1, 2, 3]" in messages[0]
+    assert cache.quantized_layers == []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 256, (1, 40))
+    plain = _generate(model, ids, steps=8)
+    ours = _generate(model, ids, cache=tqhf.TurboQuantCache(config, boundary_skip_layers=0), steps=8)
+    assert torch.equal(plain.sequences, ours.sequences)  # plain layers: transformers' own path
+
+
+# ---- the decode step against a reference over the dequantized cache ---------------------------
+def _round_trip(preset):
+    """K/V ``[B, H, T, D]`` -> what a packed cache of ``preset`` decodes them to."""
+    def round_trip(key, value):
+        batch, heads, tokens, dim = key.shape
+        per_seq = -(-tokens // 16)
+        cache = tq.allocate_kv_cache(batch * per_seq, 16, heads, dim, preset)
+        table = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+        pos = torch.arange(tokens)
+        slots = (table[:, pos // 16].long() * 16 + pos % 16).reshape(-1)
+        flat = [t.transpose(1, 2).reshape(batch * tokens, heads, dim) for t in (key, value)]
+        tq.store_kv(*flat, cache, slots, preset)
+        k, v = tq.dequantize(cache, table, torch.full((batch,), tokens, dtype=torch.int32), preset, torch.float32)
+        return k.transpose(1, 2).to(key.dtype), v.transpose(1, 2).to(value.dtype)
+    return round_trip
+
+
+def _reference_cache(model, cache, round_trip_new=True):
+    """A DynamicCache holding, for each quantized layer, what the packed cache decodes to, and the
+    plain layers' own K/V; for one sequence (no padding). Later K/V its quantized layers take are
+    round-tripped through a packed cache first, as ``decode`` reads a step's own token packed."""
+    ref = DynamicCache()
+    seq = cache.sequences
+    table = torch.tensor([seq.blocks[0]], dtype=torch.int32)
+    lens = torch.tensor([seq.lengths[0]], dtype=torch.int32)
+    for i, layer in enumerate(cache.layers):
+        if i in cache.quantized_layers:
+            k, v = tq.dequantize(layer.attention.cache, table, lens, cache.preset, torch.float32)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [1, Hkv, L, D]
+        else:
+            k, v = layer.keys, layer.values
+        ref.update(k.to(model.dtype), v.to(model.dtype), i)
+    round_trip = _round_trip(cache.preset)
+    for i in cache.quantized_layers if round_trip_new else []:
+        layer, plain_update = ref.layers[i], ref.layers[i].update
+        layer.update = lambda k, v, *a, _up=plain_update, **kw: _up(*round_trip(k, v), *a, **kw)
+    return ref
+
+
+@pytest.mark.parametrize("preset", tq.PRESETS)
+def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset):
+    model, tok = smollm
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    cache = tqhf.TurboQuantCache(model.config, preset=preset)
+    with torch.no_grad():
+        model(ids, **_cache(cache), use_cache=True)
+        ref = _reference_cache(model, cache)
+        nxt = torch.tensor([[tok.encode(" the")[0]]])
+        ours = model(nxt, **_cache(cache), use_cache=True).logits[0, -1].double()
+        theirs = model(nxt, **_cache(ref), use_cache=True).logits[0, -1].double()
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4  # 30 fp32 layers; a wrong slot gives ~1e-2
+
+
+def test_long_continuation_chunk_matches_sdpa_over_dequantized_prefix_and_raw_chunk(smollm):
+    """A later chunk past varlen_threshold: SDPA over the dequantized prefix and its own raw K/V,
+    which is exactly the reference model run on a DynamicCache of the dequantized prefix."""
+    model, tok = smollm
+    ids = tok(PROMPTS[1] + " lived by the shore and every morning went out in his little boat", return_tensors="pt").input_ids
+    split = 12
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", varlen_threshold=4)
+    with torch.no_grad():
+        model(ids[:, :split], **_cache(cache), use_cache=True)
+        ref = _reference_cache(model, cache, round_trip_new=False)
+        ours = model(ids[:, split:], **_cache(cache), use_cache=True).logits[0].double()
+        theirs = model(ids[:, split:], **_cache(ref), use_cache=True).logits[0].double()
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4  # 30 fp32 layers; a wrong slot gives ~1e-2
+
+
+def test_short_continuation_chunk_through_decode_varlen_matches_the_reference(smollm):
+    """Up to varlen_threshold a chunk attends through decode_varlen, which reads the chunk's own
+    K/V back from the packed cache: the reference round-trips them."""
+    model, tok = smollm
+    ids = tok(PROMPTS[1] + " lived by the shore", return_tensors="pt").input_ids
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_k3v4_nc", varlen_threshold=64)
+    with torch.no_grad():
+        model(ids[:, :10], **_cache(cache), use_cache=True)
+        ref = _reference_cache(model, cache)
+        ours = model(ids[:, 10:], **_cache(cache), use_cache=True).logits[0].double()
+        theirs = model(ids[:, 10:], **_cache(ref), use_cache=True).logits[0].double()
+    assert ids.shape[1] - 10 > 1
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+
+
+# ---- generation against the plain cache -------------------------------------------------------
+def test_k8v4_greedy_tokens_match_the_plain_cache(smollm):
+    """Over 40 generated tokens per prompt, fed back as the plain cache generated them, k8v4's
+    greedy choice equals the plain cache's at every step where the plain top-2 logits are more
+    than 0.5 apart."""
+    model, tok = smollm
+    checked = 0
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        plain = _generate(model, ids, steps=40)
+        tokens = plain.sequences[0, ids.shape[1]:]
+        cache = tqhf.TurboQuantCache(model.config, preset="turboquant_k8v4")
+        with torch.no_grad():
+            logits = [model(ids, **_cache(cache), use_cache=True).logits[0, -1]]
+            logits += [model(t.view(1, 1), **_cache(cache), use_cache=True).logits[0, -1] for t in tokens[:-1]]
+        for step, (ours, theirs) in enumerate(zip(logits, plain.logits)):
+            top2 = theirs[0].topk(2).values
+            if top2[0] - top2[1] > 0.5:
+                checked += 1
+                assert ours.argmax() == theirs[0].argmax(), (prompt, step)
+    assert checked >= 32 * len(PROMPTS) // 2, checked
+
+
+def test_left_padded_batch_generates_what_each_prompt_does_alone(smollm):
+    """Padding never enters the packed cache, so a sequence of a batch attends as it would alone.
+    Not bit for bit: the batched projections round differently (~1e-5), and a key that lands on
+    a quantization boundary may then take the neighbouring level, so the logits may move by a
+    fraction of the preset's own error (against the plain cache); a padding token in the cache
+    would move them by more than that error."""
+    model, tok = smollm
+    tok.padding_side = "left"
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    steps, preset = 16, "turboquant_4bit_nc"
+    cache = tqhf.TurboQuantCache(model.config, preset=preset)
+    together = _generate(model, batch.input_ids, batch.attention_mask, cache=cache, steps=steps)
+    width = batch.input_ids.shape[1]
+    real = batch.attention_mask.sum(1) + steps - 1  # the last generated token is never fed back
+    assert cache.sequences.lengths == real.tolist()
+    for b, prompt in enumerate(PROMPTS):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        alone = _generate(model, ids, cache=tqhf.TurboQuantCache(model.config, preset=preset), steps=steps)
+        plain = _generate(model, ids, steps=steps)
+        a, t = alone.sequences[0, ids.shape[1]:], together.sequences[b, width:]
+        for step in range(steps):
+            if not torch.equal(alone.sequences[0, ids.shape[1]:ids.shape[1] + step], plain.sequences[0, ids.shape[1]:ids.shape[1] + step]):
+                break  # the plain run took another path: its logits no longer measure the preset's error
+            preset_err = (alone.logits[step][0] - plain.logits[step][0]).abs().max()
+            batch_err = (together.logits[step][b] - alone.logits[step][0]).abs().max()
+            assert batch_err <= 0.5 * preset_err + 1e-3, (b, step, batch_err.item(), preset_err.item())
+            top2 = alone.logits[step][0].topk(2).values
+            if top2[0] - top2[1] < 0.5:
+                break  # a near-tie: the batch may pick the other token and go its own way
+            assert a[step] == t[step], (b, step)
+
+
+def test_packed_cache_grows_in_blocks_and_counts_its_bytes(smollm):
+    model, tok = smollm
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_3bit_nc", block_size=16)
+    out = _generate(model, ids, cache=cache, steps=40)
+    tokens = out.sequences.shape[1] - 1  # the last generated token is never fed back
+    assert cache.sequences.lengths == [tokens]
+    assert len(cache.sequences.blocks[0]) == -(-tokens // 16)
+    layer = cache.layers[cache.quantized_layers[0]]
+    assert layer.attention.cache.shape[0] >= len(cache.sequences.blocks[0])
+    slot = tq.slot_layout("turboquant_3bit_nc", 64).slot_size_aligned
+    plain = 4 * 2 * 3 * 64 * 4 * tokens  # 4 boundary layers, K+V, 3 heads, D=64, fp32
+    assert cache.packed_bytes() == len(cache.quantized_layers) * 3 * slot * tokens + plain
+    assert cache.get_seq_length() == tokens
+
+
+def test_crop_then_redecode_gives_the_same_logits(smollm):
+    """Assisted generation crops rejected tokens; feeding the same tokens again must see the
+    same cache."""
+    model, tok = smollm
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc")
+    with torch.no_grad():
+        model(ids[:, :-4], **_cache(cache), use_cache=True)
+        first = [model(ids[:, i:i + 1], **_cache(cache), use_cache=True).logits for i in range(ids.shape[1] - 4, ids.shape[1])]
+        cache.crop(-3)
+        assert cache.get_seq_length() == ids.shape[1] - 3
+        again = [model(ids[:, i:i + 1], **_cache(cache), use_cache=True).logits for i in range(ids.shape[1] - 3, ids.shape[1])]
+    for a, b in zip(first[1:], again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_reorder_copies_sequences_without_sharing_blocks(smollm):
+    model, tok = smollm
+    tok.padding_side = "left"
+    batch = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc")
+    with torch.no_grad():
+        model(**batch, **_cache(cache), use_cache=True)
+        cache.reorder_cache(torch.tensor([1, 1]))
+        mask = torch.cat([batch.attention_mask[[1, 1]], torch.ones(2, 1, dtype=torch.long)], 1)
+        step = model(torch.tensor([[42], [42]]), attention_mask=mask, **_cache(cache), use_cache=True).logits
+    assert cache.sequences.lengths[0] == cache.sequences.lengths[1]
+    assert not set(cache.sequences.blocks[0]) & set(cache.sequences.blocks[1])
+    torch.testing.assert_close(step[0], step[1], rtol=0, atol=1e-5)
+
+
+def test_beam_search_reorders_the_packed_cache(smollm):
+    """Beam search reorders the cache every step (three beams copied from their parents' blocks).
+    Beams rank by summed log-probabilities, so any rounding may reorder near-equal beams later in
+    the search; the first tokens of the best beam agree with the plain cache's."""
+    model, tok = smollm
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, **kw)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_k8v4")
+    ours = model.generate(ids, **_cache(cache), **kw)
+    assert torch.equal(plain[:, :ids.shape[1] + 4], ours[:, :ids.shape[1] + 4])
+    lengths, blocks = cache.sequences.lengths, cache.sequences.blocks
+    assert len(lengths) == 3 and len(set(lengths)) == 1
+    assert len(set(blocks[0]) | set(blocks[1]) | set(blocks[2])) == sum(len(b) for b in blocks)  # no block shared
+
+
+# ---- other architectures and dtypes -------------------------------------------------------------
+@pytest.mark.parametrize("config_cls", [Qwen2Config, MistralConfig])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qwen2_and_mistral_decode_steps_match_the_reference(config_cls, dtype):
+    model = _tiny(config_cls, sliding_window=None).to(dtype)  # Mistral since v0.2: no window
+    if config_cls is Qwen2Config:  # Qwen2's k_proj bias: a per-channel key offset
+        assert model.model.layers[0].self_attn.k_proj.bias is not None
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=1)
+    with torch.no_grad():
+        model(ids, **_cache(cache), use_cache=True)
+        ref = _reference_cache(model, cache)
+        nxt = torch.tensor([[7]])
+        ours = model(nxt, **_cache(cache), use_cache=True).logits[0, -1].double()
+        theirs = model(nxt, **_cache(ref), use_cache=True).logits[0, -1].double()
+    budget = 2e-5 if dtype == torch.float32 else 2e-2  # half precision: both sides round their own way
+    assert ((ours - theirs).norm() / theirs.norm()).item() < budget
