@@ -7,14 +7,13 @@ Times are GPU times: each call is captured in a CUDA graph and the graphs are re
 so small shapes measure the kernels rather than Python and launch overhead. Ours and SDPA's graphs
 are timed in alternating rounds (SDPA, ours, SDPA, ours, ...) and each reports its median round, so
 both run in the same power and clock state: the H200 runs SDPA's large shapes into its 700 W cap,
-and whichever is timed right after the other's long run pays for it (session 16-17: a single
-timing of ours right after SDPA's baseline was 5-20 % slower than the same graphs a moment later).
+and whichever is timed right after the other's long run pays for it (H200: a single timing of
+ours right after SDPA's baseline read 5-20 % slower than the same graphs a moment later).
 The eager ratio (back-to-back calls, what a Python loop sees) is printed too.
 Prints time, GB/s over the packed bytes, % of copy bandwidth and the speed-up over SDPA bf16;
 then graph-replay latency at short contexts for B = 1..8 against SDPA's, with one decode step per
 graph and (--layers, default with --shapes short) with 16, a model step's layers, each over its
-own cache. Tables in RESULTS.md
-before 2026-12-02 (session 3) used eager times.
+own cache.
 """
 
 from __future__ import annotations
@@ -46,22 +45,22 @@ SHAPES = {  # (B, Hq, Hkv, L)
                  (2, 32, 8, 4096)],
     # Around the row kernel's selection rule (turboquant/split_plan.h, row_kernel_preferred:
     # batch x head groups x L/256 x 2 >= SMs), where neither kernel has been timed against the
-    # other: `AB_SHAPES=fill gpu_run.sh ab_rows` times both.
+    # other: `TURBOQUANT_DECODE_KERNEL=heads|rows python benchmarks/bench_decode.py --shapes fill` times each.
     # Short contexts, where a step is latency (launches, the query set-up, the merge) and SDPA bf16
-    # was faster (session 17): `BREAKDOWN_ARGS="--shapes short ..." gpu_run.sh breakdown`.
+    # is as fast (0.93-1.23x, RESULTS.md): `BREAKDOWN_ARGS="--shapes short ..." gpu_run.sh breakdown`.
     "short": [(1, 32, 8, 256), (1, 32, 8, 1024), (8, 32, 8, 1024), (1, 32, 8, 4096), (2, 32, 8, 4096)],
     # The per-head kernel at B = 1-2 with a serving engine's 32k-token tables took 1.4-6 us more than with
-    # tables of exactly L (B=1 L=16k 24.1 vs 17.9, the same 16 splits; session 22): `BREAKDOWN_ARGS="--shapes
+    # tables of exactly L (H200, B=1 L=16k 24.1 vs 17.9, the same 16 splits): `BREAKDOWN_ARGS="--shapes
     # serving_gap --splits 0 --table-tokens 32768" gpu_run.sh breakdown`, and again without --table-tokens.
     "serving_gap": [(1, 32, 8, 4096), (1, 32, 8, 16384), (2, 32, 8, 4096)],
-    # Session 23 found that cost to be the block scheduler doubling up some of the grid's first CTAs,
-    # and gave such rows the grid's splits (row_splits_in_grid) where their own count fills one CTA
-    # per SM; between 1.9k and 4k tokens (B=1) the 128-token cap keeps them at 16-31 splits, still
+    # That cost is the block scheduler doubling up some of the grid's first CTAs
+    # (tools/probes/cta_placement_probe.cu); such rows now get the grid's splits
+    # (row_splits_in_grid) where their own count fills one CTA per SM; between 1.9k and 4k tokens (B=1) the 128-token cap keeps them at 16-31 splits, still
     # first in a grid of 33: these lengths tell whether that range pays too.
     "serving_mid": [(1, 32, 8, 1536), (1, 32, 8, 2048), (1, 32, 8, 3072), (1, 32, 8, 8192), (2, 32, 8, 2048),
                     (2, 32, 8, 8192)],
     # Batches of 3-8 with a serving engine's 32k-token tables take the row kernel by their shapes, which
-    # took 12-18 us at 256-1k tokens where the per-head kernel took 9.7-15 (session 23-24): where its time goes,
+    # took 12-18 us at 256-1k tokens where the per-head kernel took 9.7-15 (H200): where its time goes,
     # `TURBOQUANT_DECODE_KERNEL=rows BREAKDOWN_ARGS="--shapes serving_rows --table-tokens 32768" gpu_run.sh breakdown`.
     "serving_rows": [(3, 32, 8, 256), (3, 32, 8, 1024), (8, 32, 8, 256), (8, 32, 8, 1024), (8, 32, 8, 4096)],
     "fill": [(1, 32, 8, 4096), (2, 32, 8, 4096), (4, 32, 8, 4096), (8, 32, 8, 4096), (4, 32, 8, 2048),

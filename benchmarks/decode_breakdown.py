@@ -7,8 +7,8 @@ Per shape and split count (0 = the library's choice, which the table cannot name
 step under graph replay (as bench_decode times it) and eager, then from torch.profiler traces of
 eager steps and of graph replays the decode kernel's own duration and the merge's tail (merge
 end - decode end: the merge kernel starts early under programmatic dependent launch, so its own
-duration includes waiting). (16,64,8,16384) took 108 µs under graph replay and 97 eager in session
-15 while the other shapes agreed within 3 µs: the two traces say whether a kernel or the gaps
+duration includes waiting). (16,64,8,16384) took 108 µs under graph replay and 97 eager (H200)
+while the other shapes agreed within 3 µs: the two traces say whether a kernel or the gaps
 between them differ. Shapes with the same bytes (e.g. (32,32,8,8192) and
 (16,64,8,16384), 281 MB each at 4bit_nc) that differ in step time show here whether the
 difference is in the main loop or in the partials and their merge. --placement adds the same

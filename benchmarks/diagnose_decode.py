@@ -1,4 +1,4 @@
-"""What moves the decode time? One shape, one knob at a time, in one process (issue #4 evidence).
+"""What moves the decode time? One shape, one knob at a time, in one process.
 
     python benchmarks/diagnose_decode.py [--shape B HQ HKV L] [--preset turboquant_4bit_nc]
 

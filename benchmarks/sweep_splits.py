@@ -1,7 +1,7 @@
 """Decode time against the number of splits, for the batch sizes where the default heuristic
 (decode_num_splits in turboquant/split_plan.h: one wave of one or two CTAs per SM) has a choice,
 for whichever kernel the default picks (TURBOQUANT_DECODE_KERNEL=heads|rows forces one).
-Evidence for the split rule (issue #4): one row per (shape, preset), graph replay in rotation over
+Evidence for the split rule: one row per (shape, preset), graph replay in rotation over
 enough caches to defeat the L2, the default ("auto") next to fixed counts.
 
     python benchmarks/sweep_splits.py [--short] [--out results.md]

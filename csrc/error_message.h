@@ -3,7 +3,7 @@
 // c10::str formats several arguments through a std::ostringstream instantiated in the caller's
 // library. In this library, against torch 2.11 built with gcc-toolset-13 (the H200 machine),
 // inserting an integer into that stream segfaulted inside std::ostream::_M_insert<long> (native
-// backtrace, 2026-12-02): every failed argument check crashed the process instead of raising.
+// backtrace): every failed argument check crashed the process instead of raising.
 // TQ_CHECK builds the message here (std::to_string, string appends) and hands TORCH_CHECK one
 // std::string, which c10::str passes through without a stream.
 #pragma once

@@ -69,14 +69,14 @@ struct SmemBudget {
 };
 
 // Resident decode CTAs per SM by registers: __launch_bounds__(kThreads, 2) caps a thread at 128,
-// and every instantiation takes 103-128 (ptxas, sm_90, session 19), so three CTAs never fit.
+// and every instantiation takes 103-128 (ptxas, sm_90), so three CTAs never fit.
 constexpr int kDecodeCtasByRegisters = 2;
 
 template <int D_, bool kFp8Key_, int KB_, int VB_>
 struct DecodeConfig : StagedSlot<D_, kFp8Key_, KB_, VB_, 32> {
   // 32-byte windows: a lane pair's two 16-byte copies then lie in one 32-byte sector (from
   // 16-byte windows, half of them straddled two); 10-19 % faster at the bandwidth-bound shapes
-  // (benchmarks/RESULTS.md, session 7).
+  // (H200, bench_decode.py).
   using Slot = StagedSlot<D_, kFp8Key_, KB_, VB_, 32>;
   using Slot::D, Slot::kFp8Key, Slot::KB, Slot::VB, Slot::kLayout, Slot::kSlotBytes, Slot::kChunks, Slot::kRowBytes,
       Slot::kTileBytes, Slot::kWindowAlign;
@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // Set-up: this warp's query column, the sequence length and then the first block ids are all
   // loaded before the query is used. Where the query has its own shared memory (kQueryApart) the
   // first tiles' copies are issued as soon as the block ids arrive, and the warp FWHT, the pair
-  // table and the barrier run while they land. Measured at short contexts (H200, session 19,
-  // benchmarks/RESULTS.md): -0.3..+0.3 us per step in one-call graphs, -0.1..+1.0 us (mostly
+  // table and the barrier run while they land. Measured at short contexts (H200,
+  // bench_decode.py --shapes short): -0.3..+0.3 us per step in one-call graphs, -0.1..+1.0 us (mostly
   // 0.2-0.9 faster) with 16 steps per graph.
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
   PreloadedQuery<D, kHeads, kThreads, T> query;
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // the rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
   // only below full_context: the rule costs three dependent integer divisions between seq_len's
   // load and the block ids' (applied to every row it measured about 0.3 us slower per short step,
-  // H200, session 20, calls 1 and 2), while the grid's count is known at launch, so the compiler
+  // H200, bench_serving.py), while the grid's count is known at launch, so the compiler
   // computes its reciprocal while seq_len is in flight (SASS, sm_90).
   const int context = limit(num_columns - 1);
   TokenRange range = split_token_range(context, p.num_splits, split);
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // Warp w combines column w (and w + kWarps, ...; a decode at GQA 4 has 4): the warps' weights
   // once per column, then D / 32 dims per lane. (One element per thread and iteration recomputed
   // the 8 weights and divided for every element: two 226-instruction iterations per thread at GQA 4,
-  // SASS, session 18.)
+  // SASS, sm_90.)
   for (int h = warp; h < num_columns; h += kWarps) {
     const float* col = merge + h * kRow;  // warp w's partials of the column at col + w * kWarpStride
     constexpr int kWarpStride = kHeads * kRow;
@@ -519,7 +519,7 @@ struct LaunchDecode {
     // Splits vary slowest: where rows take fewer splits than the grid (DecodeParams::split_waves),
     // the CTAs with tokens come first in launch order and so spread over the SMs (splits in y put
     // batch 2's busy CTAs beside batch 1's, two per SM: B = 2..8 at L = 256 with 32k-token block
-    // tables took 13.3-14.1 us against B = 1's 10.0, H200, session 20), though not one per SM
+    // tables took 13.3-14.1 us against B = 1's 10.0, H200, bench_serving.py), though not one per SM
     // each: the block scheduler doubles some up before every SM has one (row_splits_in_grid).
     const dim3 grid(p.cache.num_kv_heads * head_chunks, decode_query_chunks(p), p.num_splits);
     if (merges_in_cluster<C, T>(p)) {

@@ -16,11 +16,11 @@
 namespace turboquant {
 
 constexpr float kLog2e = 1.4426950408889634f;
-// Splits merged inside a cluster (merge_cluster_splits): exactly two. Measured (H200, graph replay, session
-// 18, against the merge kernel in the same build): 2-CTA clusters at B = 8, L = 1k (128 CTAs) took
+// Splits merged inside a cluster (merge_cluster_splits): exactly two. Measured (H200, graph replay, against
+// the merge kernel in the same build): 2-CTA clusters at B = 8, L = 1k (128 CTAs) took
 // the step from 16.4 to 14.8 us; clusters of 4, 8 and 16 CTAs over 128 CTAs made it 3-7 us slower
 // (B = 4 L = 1k 11.5 -> 14.8, B = 1 L = 4k 11.9 -> 15.5, B = 4 L = 4k 19.0 -> 26.6), with or without
-// the spread scheduling policy; over 32-64 CTAs they were even. Session 19 (H200): a cluster's
+// the spread scheduling policy; over 32-64 CTAs they were even. The reason (H200): a cluster's
 // CTAs may sit two per SM (cudaOccupancyMaxActiveClusters for the 4bit_nc D = 128 kernel at
 // 100,368 bytes: 62 clusters of 4, 248 CTAs), and the slowdowns fit such a placement leaving SMs
 // idle; forcing one CTA per SM (more than half an SM's shared memory) leaves fewer clusters than
@@ -130,7 +130,7 @@ __device__ __forceinline__ int column_token(int j, int heads) {
 // Query staging, every thread of the CTA (kThreads) taking part: warp w stages columns w, w + kWarps,
 // ... of qs[kColumns][D] in fp32 (zeros for unused columns), rotated for Lloyd-Max keys by the
 // warp FWHT in registers (no barriers: the per-head kernel's shared-memory FWHT took 7 barrier
-// rounds and ~400 instructions per warp, ~1.3 us of a 9 us step at short contexts, session 17),
+// rounds and ~400 instructions per warp, ~1.3 us of a 9 us step at short contexts, H200),
 // in batches of up to 4 columns whose loads issue before any is used: one global round trip per
 // batch instead of one per element group (the loop that guarded each load by its column compiled
 // to serialized loads). Batches of 4 keep the chunked kernel's loop free of spills. Unused columns
@@ -322,7 +322,7 @@ __device__ __forceinline__ void sum_over_column_lanes(float (&v)[2]) {
 // Whether a column's softmax saw a token, from its sum l: 0 for none, > 0 once a score is finite
 // (the largest weighs at least 2^-kSoftmaxHeadroom), NaN once a score is NaN. The running max m
 // cannot tell: fmaxf skips a NaN, so a split whose only scores are NaN ends with m = -inf like an
-// empty one, and testing m turned such a column into zeros where the CPU gives NaN (session 16).
+// empty one, and testing m turned such a column into zeros where the CPU gives NaN (tests/python/test_decode_rows.py).
 __device__ __forceinline__ bool column_saw_tokens(float l) { return l != 0.0f; }
 
 // Folds a second split's result (normalized output o1 and log-sum-exp lse1, log2 domain) into
@@ -330,8 +330,8 @@ __device__ __forceinline__ bool column_saw_tokens(float l) { return l != 0.0f; }
 // saw no token (lse = -inf) weighs 0 and is selected away, so its output is never multiplied in;
 // both empty: zeros and -inf. A NaN on either side (a NaN key) reaches o and lse, so the merge
 // after it passes it on: fmaxf ignores a NaN, so with the other side empty mx is -inf, and the
-// test for "both empty" must look at both log-sum-exps, not at mx (it did, and a NaN row became
-// zeros: session 16, one split, the row kernel forced).
+// test for "both empty" must look at both log-sum-exps, not at mx (testing mx turned a NaN row
+// into zeros with one split, the row kernel forced).
 __device__ __forceinline__ void fold_split_results(float4& o, float& lse, const float4 o1, const float lse1) {
   if (lse == -INFINITY && lse1 == -INFINITY) {
     o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -349,7 +349,7 @@ __device__ __forceinline__ void fold_split_results(float4& o, float& lse, const 
 // splits): the cluster's two CTAs are the splits of one (query chunk, head group), and they merge
 // over distributed shared memory at the end instead of through a workspace and a second launch,
 // whose tail after the decode kernel took 1.7-2.8 us of a 10-17 us short-context step (graph
-// replay, H200, session 17).
+// replay, H200).
 
 // Both splits' normalized outputs outs[column][D] and log-sum-exps lses[column] (log2 domain), in
 // the shared memory of each CTA of the cluster -> the merged outputs, folded by

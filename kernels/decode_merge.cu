@@ -9,7 +9,7 @@
 // splits that waits for each load in turn (H200, B = 1, 32 splits: the old loop cost ~8 us per
 // decode). With many splits a CTA takes a slice of the dims (merge_dim_slices), so each thread's
 // loads stay one batch: at B = 1, 256 splits in one slice were 8 batches, one memory round trip
-// each, and the merge's tail after the decode kernel took 10.6 of the 29 us step (session 16).
+// each, and the merge's tail after the decode kernel took 10.6 of the 29 us step (H200).
 //
 // It is launched with programmatic dependent launch on sm_90: its CTAs start while the decode
 // grid finishes (each decode CTA allows it after its main loop) and wait in

@@ -17,7 +17,7 @@ namespace turboquant {
 // step and a 64-column query set-up even for a few columns; the decode kernel's 8 columns win for
 // decode-like rows. Rule: the chunked kernel once the average sequence brings (token, head)
 // columns to fill half of its 64, total_q * group >= 32 * batch. Measured (H200, GQA 4, one
-// sequence, 2026-12-03, benchmarks/RESULTS.md): at 8 tokens (32 columns) the chunked kernel is
+// sequence, bench_continuation.py, benchmarks/RESULTS.md): at 8 tokens (32 columns) the chunked kernel is
 // faster at every context (2k 30.1 vs 32.6 us, 8k 30.7 vs 39.1, 32k 73.8 vs 92.8), at 4 tokens
 // the decode kernel (32k 56.1 vs 66.2 us; 8k 3.5 us slower); the former rule (64 columns) left
 // the 8-token rows on the decode kernel. The host sees only shapes, so the choice is CUDA-graph
@@ -45,7 +45,7 @@ static SplitWaves per_head_split_waves(const DecodeParams& p) {
 
 // Whether a short row fills a grid sized for two CTAs per SM (SplitWaves::fill_grid,
 // row_splits_in_grid): TURBOQUANT_ROW_SPLITS=fill (the default) or own (each row keeps the count
-// of its own length, as before session 23; read once per process, for A/B runs and tests).
+// of its own length; read once per process, for comparisons and tests).
 static bool short_rows_fill_grid() {
   static const int choice = env_kernel_choice("TURBOQUANT_ROW_SPLITS", "own", "fill");
   return choice != 1;
@@ -85,7 +85,7 @@ void choose_decode_splits(DecodeParams& p, DecodeKernel kernel) {
     // Planned in CTAs: where one CTA serves two splits (Lloyd-Max keys), whole pairs of splits, so no
     // CTA has an idle half and one wave stays one wave. A CTA keeps at least kMinTokensPerSplit
     // tokens (its set-up, the pair table and the queries, is per CTA), a half at least 128. Known
-    // cost (H200, session 15): B = 1 at L = 32k takes 31.3-31.8 us in 128 paired CTAs (30.8-31.0
+    // cost (H200, bench_decode.py): B = 1 at L = 32k takes 31.3-31.8 us in 128 paired CTAs (30.8-31.0
     // with 256-token halves in 64) where the earlier one-split CTAs took 27.5; the shapes of 8 and
     // more sequences gained 2-9 %. At most 128 CTAs, as other plans' 128 splits.
     // One resident CTA per SM: Lloyd-Max keys' 16-warp CTAs are one per SM by design (RowConfig: a grid

@@ -14,8 +14,8 @@
 // sees every tile of its split, so it holds its head's whole result at the end: no merge across
 // warps. Selected for plain decodes of token-major caches whose KV heads come in 8s, GQA groups
 // up to 8 and head dims 64 and 128, on sm_90 builds, where its grid can fill half the SMs
-// (decode_rows_supports); TURBOQUANT_DECODE_KERNEL = heads | rows forces a kernel (A/B runs in
-// one build). Measured against the per-head kernel in benchmarks/RESULTS.md (session 9): 25-40 %
+// (decode_rows_supports); TURBOQUANT_DECODE_KERNEL = heads | rows forces a kernel (comparisons in
+// one build). Measured against the per-head kernel (H200, bench_decode.py; docs/DESIGN.md): 25-40 %
 // faster at the bandwidth-bound shapes (k8v4 at 85-88 % of copy bandwidth).
 #include <cuda_runtime.h>
 
@@ -49,8 +49,8 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   // 3-bit keys, whose 32-word table would let two CTAs of 8 warps share an SM, are served the same
   // way: in a grid sized for two CTAs per SM the block scheduler puts some of the first CTAs in
   // launch order, the ones with tokens when a serving engine's long block tables hold short rows,
-  // two to an SM (RESULTS.md, session 23), and one CTA per SM rules that out. The halves also share
-  // the set-up, and the merge reads one partial per CTA instead of two. Measured (H200, session 25,
+  // two to an SM (tools/probes/cta_placement_probe.cu), and one CTA per SM rules that out. The halves also share
+  // the set-up, and the merge reads one partial per CTA instead of two. Measured (H200, bench_serving.py,
   // 3bit_nc, 32k-token tables, one build with and without): B = 3 and 8 at 256 tokens 0.9-2.6 us
   // per step faster (B = 3: 14.5-15.9 -> 13.6), 1k 0.1-2.1, 16k-32k 0.1-2.7 (0.3-3.3 %; B = 8
   // L = 32k 106.4-106.9 -> 103.7-104.4), 4k equal within 0.3.
@@ -60,8 +60,8 @@ struct RowConfig : PackedSlot<D_, kFp8Key_, KB_, VB_> {
   static constexpr int kWarps = kSplitsPerCta * kRowHeads;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kCtasPerSm = 2 / kSplitsPerCta;  // the launch bound: 128 registers per thread
-  // Per half: tiles in flight + the one being read. Four (H200, session 26, A/B against three in
-  // one call each): 3-bit halves 0.5-1.0 us per step faster at B = 8, 1k-4k tokens in 32k-token
+  // Per half: tiles in flight + the one being read. Four (H200, A/B against three in
+  // alternating processes): 3-bit halves 0.5-1.0 us per step faster at B = 8, 1k-4k tokens in 32k-token
   // tables, 4-bit halves 0.5-1 % at the bandwidth-bound shapes; neither slower beyond a round's
   // spread. The stages below the staged queries also start before the query staging (early_tiles).
   static constexpr int kStages = 4;
@@ -116,10 +116,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // The CTA's query heads, kRowHeads * group consecutive ones, as the columns of one token: warp w
   // owns columns w * group .. w * group + group - 1 (its KV head's group). Their loads go out first:
   // they need no sequence length, and warp 0 waits for the length and then the block ids before it
-  // issues the first copies, so loaded after those (as before session 24) they added a third memory
+  // issues the first copies, so loaded after those they added a third memory
   // round trip to its path to the staging barrier, which every other warp then waited at (ncu, B = 3
   // and 8 at 256-1k tokens with 32k-token tables: that barrier and the next took 20-28 % of the
-  // busy CTAs' warp samples). A/B in one call (H200, session 25): B = 8 at 1k and 4k 1.1-1.2 us
+  // busy CTAs' warp samples). A/B in alternating processes (H200): B = 8 at 1k and 4k 1.1-1.2 us
   // faster, k8v4 B = 8 L = 256 0.6; B = 3 L = 256 equal, B = 3 L = 1k 0.4 slower.
   QueryColumns columns{QueryChunk{b, b, 1, 0, 1}, kRowHeads * group, head_group * kRowHeads * group, 0, p.num_q_heads};
   PreloadedQuery<D, C::kColumns, C::kThreads, T> query;
@@ -135,8 +135,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // partial is marked empty (-inf log-sum-exps: the merge weighs it 0 and ignores the vectors)
   // and it leaves before the set-up, as the per-head kernel's empty CTAs do; they ran the whole
   // set-up and epilogue and stored zero partials (16 KB per CTA at D = 128 and GQA 4; ncu, B = 3
-  // L = 256 with 32k-token tables, session 24: 120 of the 132 CTAs, most of the warp samples).
-  // A/B in one call (H200, session 25): B = 3 L = 256 0.65 us and B = 8 L = 256 0.9 us faster.
+  // L = 256 with 32k-token tables: 120 of the 132 CTAs, most of the warp samples).
+  // A/B in alternating processes (H200): B = 3 L = 256 0.65 us and B = 8 L = 256 0.9 us faster.
   if (gridDim.y > 1 && split_token_range(seq_len, p.num_splits, blockIdx.y * C::kSplitsPerCta).begin >= seq_len) {
     if (threadIdx.x < kRowHeads * group) {
       p.partial_lse[columns.row(threadIdx.x) * gridDim.y + blockIdx.y] = -INFINITY;
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // partials, all at the end of the one wave of CTAs). In a CTA of two halves the halves' results
   // for the same columns are folded here into one partial (the merge's rule, fold_split_results),
   // so the CTA writes one partial per column, and none at all where its two splits are the row's
-  // only ones: the merge reads half as many (H200, session 16 call 1: its tail was 9.4 of 94 us at
+  // only ones: the merge reads half as many (H200: its tail was 9.4 of 94 us at
   // (128,32,8,2048), two splits in one CTA, and 10.6 of 29 at B = 1). After the barrier every
   // warp is past its last tile and no bulk copy is in flight: the rings are free.
   sum_over_column_lanes(st.l);

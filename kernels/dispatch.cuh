@@ -28,7 +28,7 @@ constexpr int kMaxDevices = 64;  // per-device caches of the kernels' one-time s
 // largest shared-memory carveout, the one the decode kernels need anyway; without a preference the
 // driver picks one per kernel, the merge (3 KB of shared memory) a smaller one, and launching a kernel
 // whose carveout preference differs from the last "may insert a device-side synchronization point"
-// (CUDA driver API, cuKernelSetCacheConfig). Measured (H200, session 24 call 4, the same build
+// (CUDA driver API, cuKernelSetCacheConfig). Measured (H200, the same build
 // with TURBOQUANT_SMEM_CARVEOUT=auto (the driver's choice) and =max in alternating runs, 4bit_nc,
 // 32k-token tables, B = 3-8 at 256-4k tokens): graph steps 0.1-0.4 us faster in 9 of 10 (shape,
 // round) pairs and 0.1 slower in one; with an exact table B=1 L=1k 10.4 -> 9.2; the kernels' own

@@ -12,7 +12,7 @@
 // registers. Where vectors are adjacent heads of one token in the cache, their slots are one run
 // of bytes: assembled in shared memory and written as 8-byte words; elsewhere each lane writes its
 // pieces with 16-bit stores (slots are only 2-byte aligned). The CPU reference's bytes
-// (csrc/slot_codec.cpp) up to issue #3's allowance: an index or code may differ where its
+// (csrc/slot_codec.cpp) up to the store's rounding allowance (docs/DESIGN.md): an index or code may differ where its
 // coordinate lies within float rounding of the threshold, and the corrected fp16 norm by one ulp
 // where the indices agree (tests/python/test_cuda.py checks exactly that).
 #include <cuda_runtime.h>
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
       // Rotation first, normalization after: H (k / denom) * rsqrt_d = (H k) * (rsqrt_d / denom),
       // one multiply per coordinate instead of a division and a multiply. The coordinates differ
       // from the CPU's (which divides first) only by float rounding, so an index can differ only
-      // where a coordinate lies within rounding of a midpoint (issue #3 allows < 1e-4 of them;
+      // where a coordinate lies within rounding of a midpoint (the allowance is < 1e-4 of them;
       // tests/python/test_cuda.py checks both). A non-finite key, or a codebook the grid cannot
       // hold, takes the CPU's own order: division, rotation, binary search. (A finite norm is
       // below 2^64, where the sum of squares overflows, so |H k|_j <= sqrt(D) * norm cannot
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
       pack_codes<E, kKeyBits>(idx, key_words);
       float stored = norm;
       // rsqrtf's couple of ulps (and squares summed in another order than the CPU's) move the
-      // fp16 norm by one ulp at most (issue #3 allows one).
+      // fp16 norm by one ulp at most (the allowance is one).
       if (p.norm_correction) stored = norm * rsqrtf(device::group_sum<G>(centroid_squares));
       key_norm_bits = key_norm_half_bits(stored);
     }

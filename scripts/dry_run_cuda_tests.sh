@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For sessions without a GPU: runs the CUDA tests' own code on the CPU (tests/python/cuda_dry_run.py
+# For machines without a GPU: runs the CUDA tests' own code on the CPU (tests/python/cuda_dry_run.py
 # maps every "cuda" device to the CPU; graph, stream and forced-kernel tests are left out), so a
 # broken test shows here and not in the GPU machine's limited time. No kernel runs: this is not a
 # CUDA test run and its passes are not CUDA passes. Extra arguments go to pytest.

@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build for sm_90, then the steps asked for, and print short tables.
-# Tables and plots go to $OUT (or ./gpu_out), logs packed into $OUT/logs.tgz at the end.
-#   bash scripts/gpu_run.sh [steps...]        steps: tests bench short splits_short serving continuation speed profile profile_kernels profile_store profile_varlen probe cta_placement diagnose splits sanitize race_control subnormal breakdown ab ab_env ab_rows ab_merge
-#   bash scripts/gpu_run.sh all               = tests bench
-# TESTS (default tests/python) and TESTS_K (-k expression) narrow the pytest run (TESTS_TIMEOUT s, default 520: the whole suite took over 450 s in session 20); DECODE_SHAPE="B HQ HKV L[;B HQ HKV L...]"
-# picks the profiled decode shape (default 32 32 8 8192; profile_kernels: both plain-decode kernels on each, default 1 32 8 32768,
-# PROFILE_ARGS adds profile_kernels.py options, e.g. "--table-tokens 32768"); SANITIZE_TIMEOUT (s, default 420) bounds each sanitizer run; AB_PATCH="<file> [<file> ...]" (step ab:
-# each a diff from a base commit to this tree) rebuilds each base in a copy and times small decode shapes and chunked
-# continuation on both trees, alternating, so a change is compared within one machine (AB_SHAPES:
-# shape sets of bench_decode.py, default small; "ab" adds the bandwidth-bound shapes; "<set>@<n>" gives one set tables of n tokens;
-# AB_SHORT_TABLE=0 leaves out the short-context table; AB_PRESETS,
-# default "turboquant_4bit_nc turboquant_k8v4"; AB_ROUNDS,
-# default 2; AB_TABLE_TOKENS=<n> gives the decode table's caches block tables of n tokens (a serving engine's)
-# and leaves out bench_decode's short-context table (exact tables);
-# AB_CONTINUATION=0 leaves out the continuation table, AB_DECODE=0 the decode table; AB_STORE=1 adds bench_store.py
-# for AB_STORE_PRESETS, default 4bit_nc and k8v4, once per AB_STORE_ARGS word, commas for spaces: "--heads,8 --heads,4,--tokens,131072"); ab_rows times this build's per-head and row-staged decode kernels
-# (TURBOQUANT_DECODE_KERNEL) on AB_SHAPES (default ab), with splits also the row kernel's split sweep; ab_merge the
-# per-head kernel's split merges (TURBOQUANT_SPLIT_MERGE=kernel|cluster) on AB_SHAPES (default short); ab_env the values of
-# any switch, AB_ENV="<variable> <default shape set> <value> <value>..." (AB_SHAPES, AB_PRESETS, AB_TABLE_TOKENS apply); BREAKDOWN_ARGS
-# (default --placement) are decode_breakdown.py's, e.g. "--shapes quick --splits 0"; SPLITS_TABLE_TOKENS=<n> repeats splits and splits_short with block tables of n tokens; SERVING_ARGS are
-# bench_serving.py's (e.g. "--batches 3 4 5 --kernels heads rows"); COMMIT=<hash>
-# names the commit in the speed report. A cold H200 call costs ~1-2 minutes of device time before
-# the command starts: ask for everything in one call.
+# One call on the GPU machine: build for sm_90 (CUDA_ARCHS=90), run the steps asked for, print short tables.
+# Tables go to $OUT (default ./gpu_out); logs are packed into $OUT/logs.tgz at the end.
+#   bash scripts/gpu_run.sh [steps...]      (no step, or `all`: tests bench)
+#
+# | step            | what it runs                                              | knobs (environment)                      |
+# |-----------------|-----------------------------------------------------------|------------------------------------------|
+# | tests           | GoogleTest + pytest, CUDA tests included                  | TESTS, TESTS_K (-k), TESTS_TIMEOUT (520) |
+# | sanitize        | compute-sanitizer memcheck/racecheck/synccheck on a test subset, both decode kernels | SANITIZE_TIMEOUT (420) |
+# | race_control    | racecheck on tools/probes/ring_racecheck_probe.cu alone   |                                          |
+# | bench           | benchmarks/bench_store.py + bench_decode.py (RESULTS.md tables) |                                    |
+# | short           | bench_decode.py, short contexts (4bit_nc, k8v4)           |                                          |
+# | serving         | benchmarks/bench_serving.py: a serving engine's block tables | SERVING_ARGS, SERVING_TIMEOUT (300)   |
+# | continuation    | benchmarks/bench_continuation.py, both varlen kernels     |                                          |
+# | speed           | benchmarks/speed.py: context/batch sweep, plots, RESULTS section | COMMIT (names the commit)         |
+# | splits          | benchmarks/sweep_splits.py: decode time vs split count    | SPLITS_TABLE_TOKENS                      |
+# | splits_short    | the same at short contexts                                | SPLITS_TABLE_TOKENS                      |
+# | breakdown       | benchmarks/decode_breakdown.py: kernel vs merge vs step   | BREAKDOWN_ARGS (--placement)             |
+# | diagnose        | benchmarks/diagnose_decode.py: one input knob at a time   |                                          |
+# | profile         | ncu stall samples of the default decode kernel            | DECODE_SHAPE ("32 32 8 8192"; ";" separates shapes), NCU_ARGS |
+# | profile_kernels | ncu of both plain-decode kernels, forced, on each shape   | DECODE_SHAPE ("1 32 8 32768"), PROFILE_ARGS, NCU_ARGS |
+# | profile_store   | ncu of the store kernel                                   | NCU_ARGS                                 |
+# | profile_varlen  | ncu of the chunked varlen kernel (16- and 128-token chunks) | NCU_ARGS                               |
+# | probe           | tools/probes/paged_read_probe.cu (reads only)             |                                          |
+# | cta_placement   | tools/probes/cta_placement_probe.cu                       |                                          |
+#
+# A cold machine costs a minute or two before the command starts: ask for every step in one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -47,9 +50,7 @@ mark_step build
 has() { [[ " $steps " == *" $1 "* ]]; }
 start=$(date +%s)
 if has probe; then  # standalone, no torch: compile it while the library builds
-  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/paged_read_probe.cu -o "$OUT/probe.bin" > "$OUT/probe_build.log" 2>&1 &
-  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/tma_probe.cu -L/usr/local/cuda/lib64/stubs -lcuda \
-    -o "$OUT/tma_probe.bin" > "$OUT/tma_probe_build.log" 2>&1 &
+  nvcc -O3 -std=c++17 -arch=sm_90 tools/probes/paged_read_probe.cu -o "$OUT/probe.bin" > "$OUT/probe_build.log" 2>&1 &
 fi
 build_turboquant -DTURBOQUANT_BUILD_TESTS=ON > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 wait
@@ -57,13 +58,10 @@ echo "== built in $(( $(date +%s) - start )) s"
 status=0
 if has probe; then
   echo "== paged read probe (data movement only)"; timeout 120 "$OUT/probe.bin" | tee "$OUT/probe.md" || status=1
-  # A box starting off a 16-byte boundary is expected to fault: each start in its own process.
-  echo "== TMA box starts (x: bytes into the token row)"; echo "| x | result |"; echo "|---|---|"
-  for x in 0 16 144 2 8 134; do timeout 30 "$OUT/tma_probe.bin" "$x"; done | tee "$OUT/tma_probe.md"
 fi
 if has cta_placement; then  # standalone: where a grid's CTAs land, and what CTAs without work cost the busy ones
   mark_step cta_placement
-  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/cta_placement_probe.cu -o "$OUT/cta_probe.bin" > "$OUT/cta_probe_build.log" 2>&1 \
+  nvcc -O3 -std=c++17 -arch=sm_90 tools/probes/cta_placement_probe.cu -o "$OUT/cta_probe.bin" > "$OUT/cta_probe_build.log" 2>&1 \
     && echo "== CTA placement probe" && timeout 120 "$OUT/cta_probe.bin" | tee "$OUT/cta_placement.md" \
     || { status=1; tail -20 "$OUT/cta_probe_build.log"; }
 fi
@@ -80,12 +78,8 @@ if has splits; then  # decode time against the split count at batch 1..16 (the s
       --out "$OUT/splits.md" || status=1
   fi
 fi
-if has subnormal; then  # standalone: does the PV MMA take fp16 subnormal value codes exactly?
-  nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/mma_subnormal_probe.cu -o "$OUT/mma_probe.bin" \
-    > "$OUT/mma_probe_build.log" 2>&1 && timeout 60 "$OUT/mma_probe.bin" | tee "$OUT/mma_probe.txt" || status=1
-fi
 if has sanitize || has race_control; then  # a standalone control: can racecheck see the row kernel's mbarrier ring at all?
-  nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/ring_racecheck_probe.cu -o "$OUT/ring_probe.bin" \
+  nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude tools/probes/ring_racecheck_probe.cu -o "$OUT/ring_probe.bin" \
     > "$OUT/ring_probe_build.log" 2>&1 &
 fi
 if has sanitize; then  # correctness only: the three tools run side by side, exact-size allocations
@@ -123,7 +117,7 @@ if has tests; then
 fi
 if has sanitize || has race_control; then
   wait
-  # racecheck's verdict on the control (benchmarks/probes/ring_racecheck_probe.cu)
+  # racecheck's verdict on the control (tools/probes/ring_racecheck_probe.cu)
   timeout 60 compute-sanitizer --tool racecheck "$OUT/ring_probe.bin" > "$OUT/ring_racecheck.log" 2>&1
   echo "== racecheck control (exit $?): $(grep -E '^ring' "$OUT/ring_racecheck.log") | $(grep -E 'RACECHECK SUMMARY' "$OUT/ring_racecheck.log" | tail -1)"
 fi
@@ -216,72 +210,6 @@ if has profile_store; then ncu_profile store_profile store_kv_kernel store; fi
 if has profile_varlen; then  # the chunked varlen kernel on a long and a short chunk at L = 32k
   ncu_profile varlen128_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 128
   ncu_profile varlen16_profile decode_chunked_kernel varlen --shape 1 32 8 32768 --q-len 16
-fi
-# bench_decode.py for the A/B steps: ab_decode <default shape sets> <out.md>. Each word of AB_SHAPES is a
-# shape set, "@<n>" after it giving that set block tables of n tokens (a serving engine's) instead of
-# AB_TABLE_TOKENS's, e.g. AB_SHAPES="ab serving_rows@32768": exact-table long shapes and short serving
-# steps from one build. The short-context table (4bit_nc and k8v4 only) comes once, with the first set
-# of exact tables; AB_SHORT_TABLE=0 leaves it out.
-ab_decode() {
-  local word tokens short=${AB_SHORT_TABLE:-1}
-  for word in ${AB_SHAPES:-$1}; do
-    tokens=${AB_TABLE_TOKENS:-}; [[ $word == *@* ]] && tokens=${word#*@}
-    timeout 200 "$PYTHON" benchmarks/bench_decode.py --shapes "${word%@*}" \
-      --presets ${AB_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${tokens:+--table-tokens $tokens} \
-      $([ -z "$tokens" ] && [ "$short" = 1 ] || echo --no-short-table) --out "$2" || return 1
-    [ -n "$tokens" ] || short=0
-  done
-}
-# bench_decode.py on this build under each value of an environment switch, alternating processes
-# for AB_ROUNDS rounds: ab_by_env <step> <variable> <default shape set> <values...>
-ab_by_env() {
-  local step=$1 variable=$2 shapes=$3; shift 3
-  mark_step "$step"
-  for round in $(seq "${AB_ROUNDS:-2}"); do
-    for value in "$@"; do
-      (export "$variable=$value"; ab_decode "$shapes" "$OUT/${step}_$value.md") > "$OUT/${step}_${value}_$round.log" 2>&1 || status=1
-    done
-  done
-  for value in "$@"; do echo "== $step: $value"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/${step}_$value.md"; done
-}
-if has ab_env; then  # AB_ENV must name the variable, a shape set and at least one value
-  if [ "$(wc -w <<< "${AB_ENV:-}")" -ge 3 ]; then ab_by_env ab_env $AB_ENV; else echo "ab_env: AB_ENV=\"<variable> <shape set> <value>...\" is needed"; status=1; fi
-fi
-if has ab_merge; then ab_by_env ab_merge TURBOQUANT_SPLIT_MERGE short kernel cluster; fi  # the per-head kernel's two split merges
-if has ab_rows; then  # the two plain-decode kernels of this build (TURBOQUANT_DECODE_KERNEL)
-  ab_by_env ab_rows TURBOQUANT_DECODE_KERNEL ab heads rows
-  if has splits; then  # the split sweep again with the row kernel forced (the splits step runs the default)
-    echo "== decode vs splits, row kernel"
-    PYTHONPATH=python TURBOQUANT_DECODE_KERNEL=rows timeout 300 "$PYTHON" benchmarks/sweep_splits.py --out "$OUT/splits_rows.md" 2>&1 | tee "$OUT/splits_rows.log" | grep -E "^\|" || status=1
-  fi
-fi
-if has ab; then  # A/B against base trees: each patch of AB_PATCH reversed in its own copy and build
-  mark_step ab
-  out_abs=$(cd "$OUT" && pwd); here=$(pwd); rounds=${AB_ROUNDS:-2}; trees=(.); labels=(change)
-  for patch_file in $AB_PATCH; do  # several patches: one base tree each, labelled by the file's name
-    name=$(basename "$patch_file" .patch); base=/tmp/ab_base_$name; rm -rf "$base"; mkdir -p "$base"
-    tar --exclude=./build --exclude="./$OUT" -cf - . | tar -xf - -C "$base"
-    # -f: never prompt. A patch that does not reverse (the tree is not the patched one) stops the
-    # A/B here rather than timing the tree against itself.
-    if (cd "$base" && patch -R -p1 -s -f < "$here/$patch_file" && BUILD_DIR=build build_turboquant) > "$OUT/ab_build_$name.log" 2>&1; then
-      trees+=("$base"); labels+=("base_$name")
-    else
-      status=1; rounds=0; echo "== ab: the base tree of $patch_file did not build (it does not reverse here?)"; tail -20 "$OUT/ab_build_$name.log"
-    fi
-  done
-  for round in $(seq "$rounds"); do
-    for i in "${!trees[@]}"; do
-      tree=${trees[$i]}; label=${labels[$i]}; mark_step "ab_${label}_$round"
-      (cd "$tree" && { [ "${AB_DECODE:-1}" = 0 ] || ab_decode small "$out_abs/ab_$label.md"; } && { [ "${AB_CONTINUATION:-1}" = 0 ] || TURBOQUANT_VARLEN_KERNEL=chunked timeout 150 \
-        "$PYTHON" benchmarks/bench_continuation.py --kernel chunked --out "$out_abs/ab_$label.md"; } && \
-        { [ "${AB_STORE:-0}" = 0 ] || for store_args in ${AB_STORE_ARGS:---heads,8}; do timeout 150 "$PYTHON" benchmarks/bench_store.py \
-        --presets ${AB_STORE_PRESETS:-turboquant_4bit_nc turboquant_k8v4} ${store_args//,/ } --out "$out_abs/ab_store_$label.md" || exit 1; done; }) > "$OUT/ab_${label}_$round.log" 2>&1 || status=1
-    done
-  done
-  [ "${AB_DECODE:-1}" = 0 ] || for label in "${labels[@]}"; do echo "== ab: $label"; grep -E "^\| [0-9]+ \| [0-9]+ \|" "$OUT/ab_$label.md"; done
-  if [ "${AB_STORE:-0}" != 0 ]; then
-    for label in "${labels[@]}"; do echo "== ab store: $label"; grep -E "^Store,|^\| (turboquant_)?(4bit_nc|k8v4|k3v4_nc|3bit_nc) \|" "$OUT/ab_store_$label.md" | cut -c1-110; done
-  fi
 fi
 echo "== done in $(( $(date +%s) - start )) s"
 kill "$clock_logger" 2>/dev/null

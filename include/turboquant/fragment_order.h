@@ -10,7 +10,7 @@
 //   * contiguous: thread c reads one run of D/4 key dims (a 16-byte run for 4-bit keys), thread g
 //     one run of D/8 value dims. Any slot alignment (the per-head kernel: a slot lies at any even
 //     offset of its staging row, one funnel shift per word). With rows a multiple of 16 bytes
-//     apart, every key word load hits 8 of the 32 banks (4 wavefronts; ncu, session 7).
+//     apart, every key word load hits 8 of the 32 banks (4 wavefronts; ncu, H200).
 //   * interleaved: thread c reads key words c, c + 4, c + 8, ... and thread g value words g, g + 8:
 //     the 32 lanes' loads then hit 32 banks (rows 16 bytes apart in the bank space, c or g adding
 //     one word). Needs the slot's offset mod 4 known at compile time (the row-staged kernel: a

@@ -2,7 +2,7 @@
 // The CUDA kernels implement the same steps in parallel (the store: a group of lanes per vector)
 // with the same per-element rules (quantize.h, packing.h, numeric.h), with shortcuts shown equal
 // to them (the bucketing grid, lloyd_max_grid.h; tests/cpp/test_store_rules.cpp), and with
-// reorderings that round differently within issue #3's allowance (rotation before normalization,
+// reorderings that round differently within the store's rounding allowance (docs/DESIGN.md) (rotation before normalization,
 // one reciprocal for the value codes; tests/python/test_cuda.py checks them index by index).
 #pragma once
 

@@ -24,7 +24,7 @@ TQ_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // decode kernel then gives each sequence the splits of its own length, or the grid's where those
 // would leave it one CTA per SM of a grid sized for two (row_splits_in_grid), the row and chunked
 // kernels divide it over all of them (B = 1, 32k-token tables: 16 splits of
-// 16 tokens at L = 256, where 2 took 8.6 us and 16 9.7; RESULTS.md, session 19).
+// 16 tokens at L = 256, where 2 took 8.6 us and 16 9.7; H200, `benchmarks/sweep_splits.py --short`).
 TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int resident_ctas,
                             int min_tokens_per_split = kMinTokensPerSplit) {
   const int base = batch * ctas_per_split;
@@ -37,8 +37,8 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 // Splits for the decode kernels (kernels/decode.cu, decode_rows.cu), which fit `resident_per_sm`
 // CTAs per SM; `warps_per_range` warps divide a split's tiles among them (8 in the per-head
 // kernel; 1 in the row-staged one, whose every warp sees all tiles for its own KV head).
-// Measured (H200, graph replay, `benchmarks/sweep_splits.py`, benchmarks/RESULTS.md, session 9,
-// per-head kernel):
+// Measured (H200, graph replay, `benchmarks/sweep_splits.py`, per-head kernel with the earlier
+// cp.async staging; docs/DESIGN.md, "Split planning"):
 //   * FP8 keys gain nothing from a second resident CTA (one CTA per SM was 2 % slower at
 //     (32,32,8,8192) with the same grid), so their splits fill one CTA per SM: B=1 L=32k 36.1 ->
 //     33.3 us (16 splits instead of 33), B=2 L=16k 35.8 -> 32.8, B=16 L=8k 98.6 -> 92.6 (1 vs 2);
@@ -46,18 +46,17 @@ TQ_HD int default_num_splits(int batch, int ctas_per_split, int max_context, int
 //     to amortize its set-up (query rotation, pair table) and merge: at B=4 and B=8 (2048 tokens
 //     per split, 16 tiles per warp) filling two per SM is 4-5 % faster than one, at B=1 and B=2
 //     (about 1000 tokens per split, 8 tiles per warp) one per SM is 3-5 % faster.
-//   * Session 21 (aligned-row staging, the interleaved fragment order: a kernel bound by its
+//   * With aligned-row staging and the interleaved fragment order (a kernel bound by its
 //     per-warp chain rather than by set-up): at B=1 L=32k 33 splits (7.8 tiles per warp) took
 //     23.6 us against 16 splits' 26.4, at B=2 L=16k 16 splits (8 tiles) 23.7 against 8's 26.3;
 //     FP8 keys still lose (25.4 -> 26.5 at B=1 L=32k). Fewer tiles per warp are not measured.
 // So: two per SM only for Lloyd-Max keys whose splits keep each warp min_tiles_two_per_sm tiles:
-// 7 in the per-head kernel (session 21), 16 in the row kernel (session 9's rule, not re-measured; since
-// session 25 the row kernel's Lloyd-Max configurations are one CTA per SM and FP8 keys are planned one per
-// SM, so none reaches it).
+// 7 in the per-head kernel (the 33- vs 16-split numbers above), 16 in the row kernel (the first rule,
+// not re-measured: the row kernel's Lloyd-Max configurations are one CTA of two splits per SM and FP8
+// keys are planned one per SM, so none reaches it).
 // The fewest tokens per split: one tile per warp where warps divide a split's tiles (the per-head
 // kernel: 128 tokens), else kMinTokensPerSplit. Measured (H200, graph replay, L2-resident, 4bit_nc,
-// Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`, session 19,
-// benchmarks/RESULTS.md): B = 1, L = 1k took 10.9 us in 4 splits (the 256-token cap), 10.0 in 8
+// Hq 32 Hkv 8, block tables of exactly L tokens, `sweep_splits.py --short`): B = 1, L = 1k took 10.9 us in 4 splits (the 256-token cap), 10.0 in 8
 // and 10.2 in 16; B = 2, L = 1k 11.1 in 4 and 10.6 in 8; at L = 256 one split took 9.1 us and two
 // (merged in a cluster) 8.7.
 TQ_HD int min_tiles_two_per_sm(int warps_per_range) { return warps_per_range > 1 ? 7 : 16; }
@@ -125,10 +124,10 @@ TQ_HD int splits_for_context(const SplitWaves& w, int context) {
 // one CTA held them all. Not measured where one_per_sm is clamped to 1 (67-132 CTAs per split, e.g. B = 17-33 at 4
 // KV heads: every row past 128 tokens takes both CTAs of a 2-split cluster). Why: the block scheduler does not
 // give a grid's first CTAs one SM each. In a grid of 8 x 33 CTAs at two per SM the first 128 in launch order
-// landed on 120 SMs, 8 of them holding two (benchmarks/probes/cta_placement_probe.cu, H200, session 23), and a
+// landed on 120 SMs, 8 of them holding two (tools/probes/cta_placement_probe.cu, H200), and a
 // decode CTA nearly fills an SM alone, so those 8 SMs set the time: B = 1 with 32k-token tables, the decode kernel
 // took 18.1 us at L = 16k (16 splits with tokens) where a grid of exactly those 16 splits took 12.5, and 9.0
-// against 6.7 at 4k. With this rule (two per SM on every SM, an even load; H200, session 23, bench_serving.py and
+// against 6.7 at 4k. With this rule (two per SM on every SM, an even load; H200, bench_serving.py and
 // sweep_splits.py --table-tokens 32768, 4bit_nc): 18.3 us per step at 16k against 23.9, 15.4 at 8k against 17.9,
 // 11.8 at 4k against 13.1-14.4; B = 2 and FP8 keys unchanged. A row short enough to take fewer than one CTA per SM
 // keeps its count (64 busy CTAs of 264 landed on 64 SMs).
@@ -147,7 +146,7 @@ TQ_HD int row_splits_in_grid(const SplitWaves& w, int context, int grid_splits) 
 // skips the rule's divisions there (DecodeParams::split_waves, SplitWaves::full_context). With
 // w.fill_grid that is from the capacity's one-per-SM count on (B = 1, 32k-token tables: 4097
 // tokens instead of 29568), so rows of 4k-29k tokens skip three dependent divisions before their
-// block ids load (about 0.3 us per short step where every row paid them, session 20). Host only
+// block ids load (about 0.3 us per short step where every row paid them, H200). Host only
 // (a binary search).
 inline int first_context_with_splits(const SplitWaves& w, int num_splits, int max_context) {
   if (row_splits_in_grid(w, max_context, num_splits) < num_splits) return max_context + 1;
@@ -171,20 +170,20 @@ TQ_HD int decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int ma
 
 // Whether the row-staged decode (kernels/decode_rows.cu, one CTA per 8 KV heads) takes a plain decode it supports:
 // where the batch has at least kMinRowKernelRows (sequence, 8-head group) rows and the kernel can put CTAs on at
-// least half of the SMs (rows x the most splits the context allows). Measured (H200, session 9,
-// benchmarks/RESULTS.md): at L = 1024 and B = 1..8 (at most 32 CTAs) it took 19-25 us under graph replay where the
-// per-head kernel took 11-17; from 128 possible CTAs up (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. Since
-// session 21 (the per-head kernel's aligned-row staging and two CTAs per SM at 8 tiles per warp) the per-head
+// least half of the SMs (rows x the most splits the context allows). Measured (H200, graph replay, against the
+// first per-head kernel): at L = 1024 and B = 1..8 (at most 32 CTAs) it took 19-25 us under graph replay where the
+// per-head kernel took 11-17; from 128 possible CTAs up (B=1 L=32k .. B=32 L=8k) it was 10-35 % faster. With
+// the per-head kernel's aligned-row staging and two CTAs per SM at 8 tiles per warp, the per-head
 // kernel is as fast for one or two rows up to 16k tokens and within 2-11 % at 32k: B=1 L=32k 23.6 vs 24.4 us, B=2
 // L=16k 23.7 vs 24.6 (4bit_nc; k8v4 25.3 vs 24.8 and 25.3 vs 25.2), B=2 L=32k 35.2 vs 33.6 (k8v4 41.2 vs 37.2);
 // and with a serving engine's 32k-token block tables, where a shape-only choice cannot see that sequences are
 // short, it is 25-30 % faster up to 4k tokens (B=1 L=256 8.8 vs 12.5 us, B=2 L=1k 9.8 vs 13.5). With those tables
 // batches of 3-8 still take the row kernel at every length: at 256-1k tokens it took 12.1-17.6 us where the
 // per-head kernel took 9.4-15.1; at 16k-32k the row kernel takes 0-24 % less time (the same at B=3 16k, 13-24 %
-// less at B=8; 4bit_nc, H200, sessions 22-24). A mixed decode that launched both kernels, each sequence taking one
-// by its own length on the device, lost at every shape but B=3-8 at 256-1k (1-45 % slower elsewhere, session 23)
-// and was removed (benchmarks/RESULTS.md, session 24). Session 25 timed both kernels forced at B=3-8 with those
-// tables: per-head 1.3-3.6 us faster where every sequence is short (B=3-4 up to 4k, B=5-8 up to 1k), the row
+// less at B=8; 4bit_nc, H200, bench_serving.py). A mixed decode that launched both kernels, each sequence taking one
+// by its own length on the device, lost at every shape but B=3-8 at 256-1k (1-45 % slower elsewhere) and was
+// removed (docs/DESIGN.md). Both kernels forced at B=3-8 with those tables (`bench_serving.py --kernels heads
+// rows`): per-head 1.3-3.6 us faster where every sequence is short (B=3-4 up to 4k, B=5-8 up to 1k), the row
 // kernel 3-37 us faster where the batch holds 16k-32k sequences and 4-35 % faster on every mixed-length batch,
 // which is what a serving engine's decode batch is; so 3 rows stay the threshold.
 constexpr int kMinRowKernelRows = 3;

@@ -64,7 +64,7 @@ TQ_HD int head_slot_misalign(int64_t stride_block, int64_t stride_token, int64_t
 // with the warp's lanes walking the tile's chunks in row-major order: copy i of a lane takes chunk
 // (32 i + lane) of the flattened (row, chunk) grid, so one instruction's 32 chunks lie in three
 // or four rows (a few L1 wavefronts) instead of one chunk of each of 16 rows (~23 wavefronts per
-// cp.async, ncu, H200, session 21), and the consumer finds every row at one offset.
+// cp.async, ncu, H200), and the consumer finds every row at one offset.
 TQ_HD constexpr int aligned_row_chunks(int slot_bytes) { return window_chunks(slot_bytes, 16); }
 TQ_HD constexpr int aligned_tile_copies(int slot_bytes) { return (16 * aligned_row_chunks(slot_bytes) + 31) / 32; }
 struct RowChunk {

@@ -23,7 +23,7 @@ Hq=32, Hkv=8, D=128, 4bit_nc, one sequence, bf16): decode_varlen shares each key
 query tokens of a CTA (2 on the decode kernel, 16 on the chunked kernel it picks for long chunks
 at GQA 4), so it wins for short chunks and loses for long ones at long contexts. At L=32k: 324 vs
 355 us at 64 tokens, 624 vs 442 us at 128; at L=8k: 99 vs 141 us at 64, 181 vs 163 at 128; at
-L=2k it wins at every length up to 128 (65 vs 126 us; commit aee6a9d, 2026-12-03).
+L=2k it wins at every length up to 128 (65 vs 126 us; commit aee6a9d).
 Tables in benchmarks/RESULTS.md.
 """
 

@@ -72,8 +72,8 @@ TEST(SplitPlan, RowKernelFromThreeRowsWhereItsGridFillsHalfTheSms) {
   EXPECT_FALSE(row_kernel_preferred(1, 1, 0, 132));     // empty block table: one split
 }
 
-// The split rule as one function, as it stood before it was cut into decode_split_waves and
-// splits_for_context (session 19): the reference both steps together must equal.
+// The split rule written as one function: the reference that decode_split_waves and
+// splits_for_context together must equal.
 int reference_decode_num_splits(bool fp8_keys, int batch, int ctas_per_split, int max_context, int sm_count,
                                 int resident_per_sm, int warps_per_range) {
   const int min_tokens = warps_per_range > 1 ? kTokenTile * warps_per_range : kMinTokensPerSplit;

@@ -2,7 +2,7 @@
 poisoning, references, comparisons) with every "cuda" device mapped to the CPU, so that the ops
 dispatch to their CPU implementations. It proves nothing about the kernels: each test compares the
 CPU with itself. What it catches is a broken test (a name, a shape, a reference) on a machine
-without a GPU, before a GPU session spends its time finding it.
+without a GPU, before a GPU run spends its time finding it.
 
 Loaded with `-p cuda_dry_run` before conftest.py, so conftest sees a "GPU" and does not skip."""
 

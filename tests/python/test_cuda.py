@@ -47,7 +47,7 @@ def _float64_quotients(key, value, preset, scale, zero):
 
 
 def _compare_caches(gpu, cpu, preset, head_dim, key=None, value=None, slots=None, max_fraction=1e-4) -> float:
-    """Asserts the two caches agree within what issue #3 allows: a key index or value code may
+    """Asserts the two caches agree within the store's rounding allowance (docs/DESIGN.md): a key index or value code may
     differ from the CPU's only by one and only where its float64 coordinate lies within the fp32
     rounding bound of the threshold between the two (a midpoint, or a half-integer quotient;
     _float64_quotients), for fewer
@@ -156,7 +156,7 @@ def test_store_matches_cpu_bytes(preset, head_dim, dtype, head_major):
 def test_store_whole_runs_match_cpu_bytes(preset, head_dim, heads):
     """The kernel writes a warp's slots as one run of 8-byte words where its vectors are adjacent
     heads of one token (token-major cache, KV heads a multiple of the warp's vectors): the CPU's
-    bytes there (within issue #3's rounding allowance), at runs broken by padding tokens, and
+    bytes there (within the store's rounding allowance), at runs broken by padding tokens, and
     untouched bytes elsewhere."""
     torch.manual_seed(head_dim + heads)
     n, block_size, blocks = 200, 16, 16
@@ -308,7 +308,7 @@ def test_decode_serving_block_tables(preset, heads, lens):
 
 def test_decode_serving_block_tables_own_row_splits():
     """The serving-table tests with TURBOQUANT_ROW_SPLITS=own (read once per process): each row
-    keeps the splits of its own length, as before session 23."""
+    keeps the splits of its own length, never the grid's."""
     rerun_tests_with(__file__, {"TURBOQUANT_ROW_SPLITS": "own"}, "serving_block_tables and not own_row_splits")
 
 
@@ -565,7 +565,7 @@ def test_edge_values_store_like_cpu_and_stay_confined(preset):
     (_compare_caches), but no fraction is asserted (max_fraction=None): with fp16 values on an fp16
     scale and zero, quotients exactly on a half-integer are common, where the kernel's reciprocal
     and the CPU's division may round apart. 16,384 codes are too few for a 1e-4 rate: two such
-    codes failed it once (3bit_nc, session 15). The rate is held by the stores of 5,001 to 40,003
+    codes failed it once (3bit_nc, H200). The rate is held by the stores of 5,001 to 40,003
     tokens above."""
     torch.manual_seed(5)
     key = torch.randn(64, 2, 128)

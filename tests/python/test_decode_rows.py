@@ -116,8 +116,8 @@ def test_rows_decode_nan_key_reaches_only_its_heads(splits):
     empty split's is, also where every other split of the row is empty (sequence 3, 5 tokens in
     split 0: fmaxf skips the NaN, so the maximum log-sum-exp is -inf). Every other output matches
     the CPU. Sequence 4 holds one token, its key NaN: a split whose only score is NaN keeps the
-    running max at -inf and must still come out NaN, not empty (the GPU kernels returned zeros
-    there before column_saw_tokens; session 16, call 4)."""
+    running max at -inf and must still come out NaN, not empty (a kernel that
+    tested only the running max returned zeros there; column_saw_tokens guards it)."""
     preset = "turboquant_4bit_nc"
     cache, bt, sl, _, _ = make_paged_batch([1300, 1300, 700, 5, 1], 16, 8, 128, preset, seed=13)
     key = torch.randn(3, 8, 128)
@@ -202,7 +202,7 @@ def test_rows_decode_graph_replay_follows_new_lengths(table):
 @pytest.mark.parametrize("kernel", ["rows", "heads"])
 def test_each_decode_kernel_passes_these_tests(kernel):
     # Four workers where pytest-xdist is installed: run alone, the per-head rerun was the suite's
-    # last test and outlasted gpu_run.sh's 450 s budget (H200, session 20).
+    # last test and outlasted gpu_run.sh's 450 s budget (H200).
     rerun_tests_with(__file__, {"TURBOQUANT_DECODE_KERNEL": kernel}, "not each_decode_kernel", workers=4)
 
 

@@ -7,8 +7,8 @@
 // result is right, it cannot see this synchronization, and its reports on the decode kernel say
 // nothing about it. (A variant without the full-barrier wait hung under racecheck: a stage
 // refilled before its copy landed breaks the barrier's byte count.)
-// H200, session 10 (benchmarks/RESULTS.md): the sums match and racecheck reports a hazard.
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude benchmarks/probes/ring_racecheck_probe.cu -o ring_probe
+// H200 (docs/DESIGN.md, "Sanitizers"): the sums match and racecheck reports a hazard.
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Ikernels -Iinclude tools/probes/ring_racecheck_probe.cu -o ring_probe
 //   compute-sanitizer --tool racecheck ./ring_probe
 #include <cuda_runtime.h>
 

@@ -1,7 +1,7 @@
 // How fast can a decode CTA *read* a packed paged cache in the decode kernel's access pattern,
-// with no attention math? Standalone (CUDA runtime only), a diagnostic for issue #4:
+// with no attention math? Standalone (CUDA runtime only), the decode's data-movement ceiling:
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/paged_read_probe.cu -o /tmp/probe && /tmp/probe
+//   nvcc -O3 -std=c++17 -arch=sm_90 tools/probes/paged_read_probe.cu -o /tmp/probe && /tmp/probe
 //
 // Same grid and tiling as kernels/decode.cu: one 8-warp CTA per (sequence, KV head, split), each
 // warp takes 16-token tiles (tile k -> warp k % 8), every tile is 16 slots of `slot` bytes at a

@@ -1,12 +1,12 @@
 // Where do a grid's CTAs run, and what do CTAs with no work cost the ones with work? Standalone
-// (CUDA runtime only), a diagnostic for issue #4:
+// (CUDA runtime only), the evidence behind the per-head kernel's serving-table split rule:
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/probes/cta_placement_probe.cu -o /tmp/cta && /tmp/cta
+//   nvcc -O3 -std=c++17 -arch=sm_90 tools/probes/cta_placement_probe.cu -o /tmp/cta && /tmp/cta
 //
 // Why: the per-head decode kernel with a serving engine's 32k-token block tables launches a grid
 // of 8 KV heads x 33 splits (two CTAs per SM), and a B = 1 sequence of 16k tokens gives work to
 // the first 16 splits only (the 128 CTAs first in launch order); the other 136 leave at once. Its
-// decode kernel took 18.1 us where a grid of exactly those 128 CTAs took 12.5 (H200, session 23,
+// decode kernel took 18.1 us where a grid of exactly those 128 CTAs took 12.5 (H200,
 // decode_breakdown.py --table-tokens 32768). This probe launches grids of the same shape, 256
 // threads and the same shared memory per CTA, where busy CTAs run a fixed amount of work (ALU
 // only, or streaming reads that mostly hit the L2 after the first run) and the others exit, and
