@@ -233,6 +233,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        if key_states.is_cuda and key_states.dtype == torch.float32:
+            raise ValueError("turboquant: on CUDA the packed cache serves fp16 and bf16 models (the decode kernels take "
+                             "fp16/bf16 queries); load the model with dtype=torch.bfloat16 or torch.float16")
         batch, num_kv_heads, _, head_dim = key_states.shape
         block_size = self.sequences.block_size
         blocks = 1 if self.reserve_tokens is None else batch * -(-self.reserve_tokens // block_size)
