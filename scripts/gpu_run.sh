@@ -9,6 +9,7 @@
 # | sanitize        | compute-sanitizer memcheck/racecheck/synccheck on a test subset, both decode kernels | SANITIZE_TIMEOUT (420) |
 # | race_control    | racecheck on tools/probes/ring_racecheck_probe.cu alone   |                                          |
 # | bench           | benchmarks/bench_store.py + bench_decode.py (RESULTS.md tables) |                                    |
+# | generate        | benchmarks/bench_generate.py: transformers' generate, TurboQuantCache vs default cache | GENERATE_ARGS, GENERATE_TIMEOUT (300) |
 # | short           | bench_decode.py, short contexts (4bit_nc, k8v4)           |                                          |
 # | serving         | benchmarks/bench_serving.py: a serving engine's block tables | SERVING_ARGS, SERVING_TIMEOUT (300)   |
 # | continuation    | benchmarks/bench_continuation.py, both varlen kernels     |                                          |
@@ -133,6 +134,13 @@ if has bench; then
   timeout 200 "$PYTHON" benchmarks/bench_store.py --out "$OUT/results.md" > "$OUT/bench_store.log" 2>&1 || { status=1; tail -20 "$OUT/bench_store.log"; }
   timeout 300 "$PYTHON" benchmarks/bench_decode.py --out "$OUT/results.md" > "$OUT/bench_decode.log" 2>&1 || { status=1; tail -20 "$OUT/bench_decode.log"; }
   echo; cat "$OUT/results.md"
+fi
+if has generate; then  # end to end through transformers (random Llama-3-8B-shaped model)
+  mark_step generate
+  echo "== generate (transformers)"
+  PYTHONPATH=python timeout "${GENERATE_TIMEOUT:-300}" "$PYTHON" benchmarks/bench_generate.py ${GENERATE_ARGS:-} \
+    --out "$OUT/generate.md" > "$OUT/generate.log" 2>&1 || { status=1; tail -20 "$OUT/generate.log"; }
+  grep -E "^\|" "$OUT/generate.md"
 fi
 if has short; then  # the short-context shapes and tables only (one and 16 decode steps per graph)
   mark_step short

@@ -357,6 +357,8 @@ class TurboQuantCache(Cache):
         if reserve_tokens is not None and (not isinstance(reserve_tokens, int) or reserve_tokens <= 0):
             raise ValueError(f"turboquant: reserve_tokens must be a positive int or None, got {reserve_tokens!r}")
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        if isinstance(layer_kwargs, dict):  # transformers before 5.2x: one dict for every layer
+            layer_kwargs = [layer_kwargs] * len(layer_types)
         num_layers = len(layer_types)
         if skip_layers is None:
             skip = set(_boundary_layers(num_layers, boundary_skip_layers))
