@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import turboquant as tq  # noqa: E402
+from turboquant.roundtrip import fp8_e4m3, int4_per_token, packed  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256)
-KV_HEADS, Q_PER_KV, BLOCK = 2, 4, 16
+KV_HEADS, Q_PER_KV = 2, 4
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -55,26 +56,10 @@ def key_sets(tokens: int, d: int, gen: torch.Generator) -> dict[str, torch.Tenso
     return {"gaussian": gaussian, "model-like": model_like, "adversarial": adversarial}
 
 
-def kivi_int4(x: torch.Tensor) -> torch.Tensor:
-    """Per-token asymmetric min/max INT4, no rotation (the KIVI-style baseline)."""
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    s = ((hi - lo) / 15).clamp_min(1e-12)
-    return torch.round((x - lo) / s).clamp(0, 15) * s + lo
-
-
-def fp8(x: torch.Tensor) -> torch.Tensor:
-    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
-
-
 def roundtrip(preset: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Store K/V [T, H, D] through the packed cache and read them back (float64)."""
-    t, h, d = keys.shape
-    blocks = -(-t // BLOCK)
-    cache = tq.allocate_kv_cache(blocks, BLOCK, h, d, preset)
-    tq.store_kv(keys.float(), values.float(), cache, torch.arange(t), preset)
-    bt = torch.arange(blocks, dtype=torch.int32)[None]
-    k, v = tq.dequantize(cache, bt, torch.tensor([t], dtype=torch.int32), preset, torch.float32)
-    return k[0].double(), v[0].double()
+    k, v = packed(preset, keys.float(), values.float())
+    return k.double(), v.double()
 
 
 def metrics(k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, q: torch.Tensor) -> dict:
@@ -112,9 +97,9 @@ def main() -> None:
         for set_name, keys in sets.items():
             for method in methods:
                 if method.startswith("kivi"):
-                    kq, vq = kivi_int4(keys), kivi_int4(values)
+                    kq, vq = (int4_per_token(x, group=x.shape[-1]) for x in (keys, values))
                 elif method.startswith("fp8"):
-                    kq, vq = fp8(keys), fp8(values)
+                    kq, vq = fp8_e4m3(keys), fp8_e4m3(values)
                 else:
                     kq, vq = roundtrip(method, keys, values)
                 m = metrics(keys, values, kq, vq, q)

@@ -275,6 +275,18 @@ class TurboQuantLayer(CacheLayerMixin):
                 0, step.rows, out)
         return out.view(batch, q_len, q_heads, head_dim)
 
+    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Packs K/V ``[B, Hkv, T, D]`` of real tokens (no padding) without attending."""
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        batch, _, q_len, head_dim = key.shape
+        self.length += q_len
+        step = self.sequences.plan(self.length - q_len, q_len, None, batch, key.device)
+        if self.attention.cache.shape[0] < step.num_blocks:
+            self.attention.grow(max(step.num_blocks, 2 * self.attention.cache.shape[0]))
+        k, v = (t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim).contiguous() for t in (key, value))
+        self.attention._store(k, v, step.meta.slot_mapping)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -419,6 +431,21 @@ class TurboQuantCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.sequences.reset()
+
+    def load_from(self, other: Cache) -> "TurboQuantCache":
+        """Fills this empty cache from another cache's K/V (e.g. a prefill run with transformers'
+        own cache and attention): packed layers store them, plain layers copy them. Every position
+        of ``other`` counts as a token (no padding). Returns self."""
+        if self.get_seq_length() or self.sequences.lengths:
+            raise ValueError("turboquant: load_from fills an empty TurboQuantCache; reset() it first")
+        if len(other.layers) != len(self.layers):
+            raise ValueError(f"turboquant: the other cache has {len(other.layers)} layers, this one {len(self.layers)}")
+        for i, source in enumerate(other.layers):
+            if i in self.quantized_layers:
+                self.layers[i].store(source.keys, source.values)
+            else:
+                self.layers[i].update(source.keys.clone(), source.values.clone())
+        return self
 
     def packed_bytes(self) -> int:
         """Bytes of K/V the cache holds for its tokens: slots of the packed layers plus the plain

@@ -20,6 +20,7 @@ if not REQUIRED:
 import turboquant as tq  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
 import turboquant.hf as tqhf  # noqa: E402
+from turboquant.roundtrip import packed  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 from transformers.models.mistral import MistralConfig  # noqa: E402
 from transformers.models.qwen2 import Qwen2Config  # noqa: E402
@@ -140,16 +141,9 @@ def _round_trip(preset):
     """K/V ``[B, H, T, D]`` -> what a packed cache of ``preset`` decodes them to."""
     def round_trip(key, value):
         batch, heads, tokens, dim = key.shape
-        per_seq = -(-tokens // 16)
-        cache = tq.allocate_kv_cache(batch * per_seq, 16, heads, dim, preset, key.device)
-        table = torch.arange(batch * per_seq, dtype=torch.int32, device=key.device).view(batch, per_seq)
-        pos = torch.arange(tokens, device=key.device)
-        slots = (table[:, pos // 16].long() * 16 + pos % 16).reshape(-1)
         flat = [t.transpose(1, 2).reshape(batch * tokens, heads, dim) for t in (key, value)]
-        tq.store_kv(*flat, cache, slots, preset)
-        k, v = tq.dequantize(cache, table, torch.full((batch,), tokens, dtype=torch.int32, device=key.device), preset,
-                             torch.float32)
-        return k.transpose(1, 2).to(key.dtype), v.transpose(1, 2).to(value.dtype)
+        k, v = packed(preset, *flat)
+        return tuple(t.view(batch, tokens, heads, dim).transpose(1, 2).to(key.dtype) for t in (k, v))
     return round_trip
 
 
@@ -393,3 +387,23 @@ def test_cuda_refuses_an_fp32_model():
     cache = tqhf.TurboQuantCache(model.config, boundary_skip_layers=0)
     with pytest.raises(ValueError, match="fp16 and bf16 models"):
         model(torch.randint(0, 256, (1, 8), device="cuda"), **_cache(cache), use_cache=True)
+
+
+def test_load_from_a_plain_prefill_equals_prefilling_through_the_packed_cache(smollm):
+    """A first prefill chunk attends to its raw K/V either way, so loading transformers' cache after
+    a plain prefill packs the same bytes and decodes the same next step."""
+    model, tok = smollm
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    plain, through = DynamicCache(), tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc")
+    with torch.no_grad():
+        model(ids, **_cache(plain), use_cache=True)
+        model(ids, **_cache(through), use_cache=True)
+        loaded = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc").load_from(plain)
+        for i in loaded.quantized_layers:
+            assert torch.equal(loaded.layers[i].attention.cache, through.layers[i].attention.cache)
+        nxt = torch.tensor([[tok.encode(" the")[0]]])
+        a = model(nxt, **_cache(loaded), use_cache=True).logits
+        b = model(nxt, **_cache(through), use_cache=True).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fills an empty TurboQuantCache"):
+        loaded.load_from(plain)
