@@ -27,7 +27,7 @@ ensure_python_deps() {
 ensure_real_model_deps() {
   local missing=() data=()
   "$PYTHON" -c "import transformers, sys; sys.exit(int(transformers.__version__.split('.')[0]) < 5)" >/dev/null 2>&1 \
-    || missing+=("transformers>=5.17,<6")
+    || missing+=("transformers>=5.25,<6")
   "$PYTHON" -c "import gguf" >/dev/null 2>&1 || missing+=(gguf)
   "$PYTHON" -c "import accelerate" >/dev/null 2>&1 || missing+=(accelerate)
   has_package() { "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }

