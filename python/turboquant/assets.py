@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import sys
 
 import torch
@@ -58,10 +59,13 @@ def model_dir() -> str:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(gguf_model.state_dict())
-    tmp = target + ".partial"
+    tmp = f"{target}.partial-{os.getpid()}"  # processes converting at once each write their own copy
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
