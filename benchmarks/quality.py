@@ -2,7 +2,7 @@
 references and two baselines computed in the same script (per-token min/max INT4 without rotation,
 KIVI-style, and FP8 e4m3 for K and V). Runs on the CPU.
 
-    python benchmarks/quality.py [--tokens 2048] [--out benchmarks/RESULTS.md]
+    python benchmarks/quality.py [--tokens 2048] [--out docs/QUALITY.md]
 
 Key sets: (a) random Gaussian; (b) model-like — a few large channels, a non-zero per-channel mean,
 RoPE applied at varied positions; (c) adversarial — constant vectors and Hadamard rows.
