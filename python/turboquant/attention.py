@@ -11,6 +11,10 @@ prefill chunks. For every step the layer:
      the chunk's own raw K/V, causal aligned to the bottom right (the chunk's last token sees the
      whole context). Raw own K/V is what vLLM's TurboQuant backend attends to in a chunked prefill,
      and it keeps a long chunk's attention to itself exact.
+A layer built with ``calibration`` (``turboquant.calibration``) fits exact per-head transformations
+of K/V from the first K/V it stores and keeps the packed cache in their basis: stores take
+``(k − μ) ⊘ s`` and ``v − ν``, the ops attend with ``q ⊙ s`` and ``ν`` is added to their output,
+dequantized K/V are restored to the original basis.
 A layer built with ``preset=None`` keeps a plain paged bf16/fp16 cache (the boundary layers that
 ``boundary_skip_layers`` selects) and runs every part with SDPA over the gathered cache.
 
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from .cache import allocate_kv_cache
+from .calibration import Calibration, KVTransform, fit
 from .ops import decode, decode_varlen, dequantize, store_kv
 
 
@@ -54,9 +59,12 @@ class StepMetadata:
 
 class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
-                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64):
+                 device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
+                 calibration: Calibration | None = None):
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.varlen_threshold = varlen_threshold
+        self.calibration = calibration if preset is not None else None
+        self.transform: KVTransform | None = None  # fitted on the first store when calibrating
         if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]
             rows = num_blocks * block_size
             # One spare row past the cache takes the writes of padding / out-of-range slots, so a
@@ -81,13 +89,18 @@ class PagedAttentionLayer:
         self.cache = grown
 
     # ---- cache access
-    def _store(self, key, value, slot_mapping):
+    def _store(self, key, value, slot_mapping, query_start_loc: list[int]):
+        """``query_start_loc``: where each sequence's new tokens start in ``key`` (host ints)."""
         if self.preset is None:
             spare = self._rows.shape[0] - 1
             slots = slot_mapping.long()
             rows = torch.where((slots >= 0) & (slots < spare), slots, spare)
             self._rows.index_copy_(0, rows, torch.stack([key, value], dim=1).to(self.dtype))
         else:
+            if self.calibration is not None and self.transform is None:
+                self.transform = fit(key, value, query_start_loc, self.calibration)
+            if self.transform is not None:
+                key, value = self.transform.keys(key), self.transform.values(value)
             store_kv(key, value, self.cache, slot_mapping, self.preset)
 
     def _dense(self, block_table, seq_lens):
@@ -97,7 +110,7 @@ class PagedAttentionLayer:
             g = g.flatten(1, 2)
             return g[:, :, 0], g[:, :, 1]
         k, v = dequantize(self.cache, block_table, seq_lens, self.preset, self.dtype)
-        return k, v
+        return (k, v) if self.transform is None else self.transform.restore(k, v)
 
     @staticmethod
     def _sdpa(q, k, v, scale):
@@ -119,7 +132,10 @@ class PagedAttentionLayer:
     def _decode(self, query, block_table, seq_lens, scale):
         """One new token per sequence, query [B, Hq, D], without host synchronisation."""
         if self.preset is not None:
-            return decode(query, self.cache, block_table, seq_lens, self.preset, scale)
+            if self.transform is None:
+                return decode(query, self.cache, block_table, seq_lens, self.preset, scale)
+            out = decode(self.transform.query(query), self.cache, block_table, seq_lens, self.preset, scale)
+            return self.transform.output(out, attended=seq_lens > 0)
         k, v = self._dense(block_table, seq_lens)  # [B, N, Hkv, D]
         group = query.shape[1] // k.shape[2]
         visible = torch.arange(k.shape[1], device=query.device)[None, :] < seq_lens[:, None]  # [B, N]
@@ -131,12 +147,13 @@ class PagedAttentionLayer:
 
     def forward(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
-        self._store(key, value, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
+            self._store(key, value, meta.slot_mapping, [])  # positions unknown: no sink skipping
             return self._decode(query, meta.block_table, meta.seq_lens, scale)
-        out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
         starts = meta.query_start_loc.tolist()
+        self._store(key, value, meta.slot_mapping, starts)
+        out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
         lens = meta.seq_lens.tolist()
         # Short continuation chunks the packed cache serves in one decode_varlen launch, rows
         # gathered contiguously. The decodes get their own decode launch: decode_varlen picks its
@@ -165,8 +182,11 @@ class PagedAttentionLayer:
             device = query.device
             rows_t = torch.tensor(rows, dtype=torch.long, device=device)
             seqs_t = torch.tensor(on_packed, dtype=torch.long, device=device)
-            out[rows_t] = decode_varlen(query.index_select(0, rows_t), self.cache,
-                                        meta.block_table.index_select(0, seqs_t).contiguous(),
-                                        meta.seq_lens.index_select(0, seqs_t).contiguous(),
-                                        torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale)
+            chunk_q = query.index_select(0, rows_t)
+            if self.transform is not None:
+                chunk_q = self.transform.query(chunk_q)
+            chunk_out = decode_varlen(chunk_q, self.cache, meta.block_table.index_select(0, seqs_t).contiguous(),
+                                      meta.seq_lens.index_select(0, seqs_t).contiguous(),
+                                      torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale)
+            out[rows_t] = chunk_out if self.transform is None else self.transform.output(chunk_out)
         return out

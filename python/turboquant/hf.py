@@ -46,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - only without transformers
     ) from exc
 
 from .attention import PagedAttentionLayer, StepMetadata
+from .calibration import Calibration, as_calibration
 from .cache import SUPPORTED_BLOCK_SIZES, boundary_skip_layers as _boundary_layers
 from .presets import PRESETS, slot_layout
 
@@ -224,10 +225,11 @@ class TurboQuantLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, layer_idx: int, preset: str, sequences: _PagedSequences, varlen_threshold: int,
-                 reserve_tokens: int | None = None):
+                 reserve_tokens: int | None = None, calibration: Calibration | None = None):
         super().__init__()
         self.layer_idx, self.preset, self.sequences = layer_idx, preset, sequences
         self.varlen_threshold, self.reserve_tokens = varlen_threshold, reserve_tokens
+        self.calibration = calibration
         self.attention: PagedAttentionLayer | None = None
         self.length = 0  # positions seen, padding included (what transformers counts)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -241,7 +243,7 @@ class TurboQuantLayer(CacheLayerMixin):
         blocks = 1 if self.reserve_tokens is None else batch * -(-self.reserve_tokens // block_size)
         self.attention = PagedAttentionLayer(blocks, block_size, num_kv_heads, head_dim, self.preset,
                                              device=key_states.device, dtype=key_states.dtype,
-                                             varlen_threshold=self.varlen_threshold)
+                                             varlen_threshold=self.varlen_threshold, calibration=self.calibration)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -285,7 +287,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.attention.cache.shape[0] < step.num_blocks:
             self.attention.grow(max(step.num_blocks, 2 * self.attention.cache.shape[0]))
         k, v = (t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim).contiguous() for t in (key, value))
-        self.attention._store(k, v, step.meta.slot_mapping)
+        self.attention._store(k, v, step.meta.slot_mapping, step.meta.query_start_loc.tolist())
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -349,10 +351,15 @@ class TurboQuantCache(Cache):
             ``decode_varlen``, longer ones through SDPA over the dequantized prefix.
         reserve_tokens: reserve this many tokens per sequence at the first step instead of
             growing the cache as generation proceeds.
+        calibrate: exact per-head transformations of K/V fitted on the first prefill
+            (``turboquant.calibration``): ``True`` for the default recipe (key centering), a
+            ``Calibration`` to choose, ``None`` for none. Same bytes per token; attention is
+            unchanged up to the quantization, which loses less on keys with a shared offset.
     """
 
     def __init__(self, config, preset: str = "turboquant_4bit_nc", boundary_skip_layers: int = 2,
-                 skip_layers=None, block_size: int = 16, varlen_threshold: int = 64, reserve_tokens: int | None = None):
+                 skip_layers=None, block_size: int = 16, varlen_threshold: int = 64, reserve_tokens: int | None = None,
+                 calibrate=None):
         text_config = config.get_text_config(decoder=True)
         impl = getattr(text_config, "_attn_implementation", None)
         if impl != ATTN_IMPLEMENTATION:
@@ -368,6 +375,7 @@ class TurboQuantCache(Cache):
             raise ValueError(f"turboquant: varlen_threshold must be an int >= 0, got {varlen_threshold!r}")
         if reserve_tokens is not None and (not isinstance(reserve_tokens, int) or reserve_tokens <= 0):
             raise ValueError(f"turboquant: reserve_tokens must be a positive int or None, got {reserve_tokens!r}")
+        calibration = as_calibration(calibrate)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         if isinstance(layer_kwargs, dict):  # transformers before 5.2x: one dict for every layer
             layer_kwargs = [layer_kwargs] * len(layer_types)
@@ -389,7 +397,7 @@ class TurboQuantCache(Cache):
             if i in skip or reason is not None:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:
-                layers.append(TurboQuantLayer(i, preset, self.sequences, varlen_threshold, reserve_tokens))
+                layers.append(TurboQuantLayer(i, preset, self.sequences, varlen_threshold, reserve_tokens, calibration))
         for reason, indices in unserved.items():
             warnings.warn(f"turboquant: layers {indices} keep a plain cache: the packed cache does not serve "
                           f"{reason} yet", stacklevel=2)

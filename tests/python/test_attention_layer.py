@@ -7,6 +7,7 @@ import torch
 
 import turboquant as tq
 from turboquant.attention import PagedAttentionLayer, StepMetadata
+from turboquant.calibration import Calibration
 from conftest import requires_cuda
 from reference import rel_err
 
@@ -22,17 +23,25 @@ def _step_meta(block_table, prev_lens, new_lens, num_decodes, block_size):
                         block_table, torch.tensor(slots), num_decodes)
 
 
-@pytest.mark.parametrize("preset", [None] + list(tq.PRESETS))
-def test_mixed_batch_matches_attention_over_the_cache(preset):
+CALIBRATED = Calibration(smooth_keys=0.5, center_values=True)
+
+
+@pytest.mark.parametrize("preset,calibration", [(None, None)] + [(p, None) for p in tq.PRESETS]
+                         + [(p, CALIBRATED) for p in tq.PRESETS])
+def test_mixed_batch_matches_attention_over_the_cache(preset, calibration):
+    """Calibrated: the cache holds transformed K/V, and every path (decode, decode_varlen, the
+    dequantized prefix) must attend as over the restored K/V in the original basis."""
     torch.manual_seed(0)
     bs, hkv, hq, d = 16, 2, 8, 64
-    layer = PagedAttentionLayer(32, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8)
+    layer = PagedAttentionLayer(32, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8, calibration=calibration)
     block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
+    # keys with a shared per-channel offset and uneven channel spreads, as real keys have
+    key_offset, key_spread, value_offset = 3 * torch.randn(hkv, d), torch.rand(hkv, d) * 3 + 0.2, torch.randn(hkv, d)
     # Step 1: four first chunks (prefill from scratch).
     prev, new = [0, 0, 0, 0], [20, 9, 40, 30]
     meta = _step_meta(block_table, prev, new, 0, bs)
     t = sum(new)
-    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d) * key_spread + key_offset, torch.randn(t, hkv, d) + value_offset
     out1 = layer.forward(q, k, v, meta, 0.125)
     for b, (s, e) in enumerate(zip(meta.query_start_loc[:-1].tolist(), meta.query_start_loc[1:].tolist())):
         for i in range(e - s):  # first chunks attend causally to their raw K/V
@@ -44,14 +53,17 @@ def test_mixed_batch_matches_attention_over_the_cache(preset):
     prev, new = [20, 9, 40, 30], [1, 1, 5, 12]
     meta = _step_meta(block_table, prev, new, 2, bs)
     t = sum(new)
-    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d) * key_spread + key_offset, torch.randn(t, hkv, d) + value_offset
     out2 = layer.forward(q, k, v, meta, 0.125)
+    assert (layer.transform is not None) == (calibration is not None)
     # Reference: float64 causal attention over what the cache decodes to.
     if preset is None:
         keys = layer.cache[block_table.long()].flatten(1, 2)[:, :, 0].double()
         values = layer.cache[block_table.long()].flatten(1, 2)[:, :, 1].double()
     else:
         keys, values = tq.dequantize(layer.cache, block_table, meta.seq_lens, preset, torch.float32)
+        if layer.transform is not None:
+            keys, values = layer.transform.restore(keys, values)
     starts = meta.query_start_loc.tolist()
     for b in range(4):
         s, e = starts[b], starts[b + 1]

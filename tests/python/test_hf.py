@@ -20,6 +20,7 @@ if not REQUIRED:
 import turboquant as tq  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
 import turboquant.hf as tqhf  # noqa: E402
+from turboquant.calibration import Calibration  # noqa: E402
 from turboquant.roundtrip import packed  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 from transformers.models.mistral import MistralConfig  # noqa: E402
@@ -91,6 +92,8 @@ def test_bad_constructor_arguments_are_refused_naming_them():
         tqhf.TurboQuantCache(model.config, varlen_threshold=-2)
     with pytest.raises(ValueError, match="reserve_tokens"):
         tqhf.TurboQuantCache(model.config, reserve_tokens=0)
+    with pytest.raises(ValueError, match="calibrate must be"):
+        tqhf.TurboQuantCache(model.config, calibrate="keys")
 
 
 def test_cache_refuses_a_model_without_turboquant_attention():
@@ -137,12 +140,16 @@ def test_sliding_window_layers_stay_plain_with_one_warning():
 
 
 # ---- the decode step against a reference over the dequantized cache ---------------------------
-def _round_trip(preset):
-    """K/V ``[B, H, T, D]`` -> what a packed cache of ``preset`` decodes them to."""
+def _round_trip(preset, transform=None):
+    """K/V ``[B, H, T, D]`` -> what a packed cache of ``preset`` decodes them to (stored in the
+    basis of a calibrated layer's ``transform``, read back in the original one)."""
     def round_trip(key, value):
         batch, heads, tokens, dim = key.shape
         flat = [t.transpose(1, 2).reshape(batch * tokens, heads, dim) for t in (key, value)]
-        k, v = packed(preset, *flat)
+        if transform is None:
+            k, v = packed(preset, *flat)
+        else:
+            k, v = transform.restore(*packed(preset, transform.keys(flat[0]), transform.values(flat[1])))
         return tuple(t.view(batch, tokens, heads, dim).transpose(1, 2).to(key.dtype) for t in (k, v))
     return round_trip
 
@@ -159,24 +166,32 @@ def _reference_cache(model, cache, round_trip_new=True):
     for i, layer in enumerate(cache.layers):
         if i in cache.quantized_layers:
             k, v = tq.dequantize(layer.attention.cache, table, lens, cache.preset, torch.float32)
+            if layer.attention.transform is not None:  # a calibrated layer: back to the original basis
+                k, v = layer.attention.transform.restore(k, v)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [1, Hkv, L, D]
         else:
             k, v = layer.keys, layer.values
         ref.update(k.to(model.dtype), v.to(model.dtype), i)
-    round_trip = _round_trip(cache.preset)
     for i in cache.quantized_layers if round_trip_new else []:
         layer, plain_update = ref.layers[i], ref.layers[i].update
-        layer.update = lambda k, v, *a, _up=plain_update, **kw: _up(*round_trip(k, v), *a, **kw)
+        round_trip = _round_trip(cache.preset, cache.layers[i].attention.transform)
+        layer.update = lambda k, v, *a, _up=plain_update, _rt=round_trip, **kw: _up(*_rt(k, v), *a, **kw)
     return ref
 
 
-@pytest.mark.parametrize("preset", tq.PRESETS)
-def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset):
+@pytest.mark.parametrize("preset,calibrate", [(p, None) for p in tq.PRESETS]
+                         + [("turboquant_4bit_nc", Calibration(smooth_keys=0.5, center_values=True))])
+def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset, calibrate):
+    """Calibrated: the packed layers hold transformed K/V; a decode step must attend as SDPA over
+    what they restore to in the original basis."""
     model, tok = smollm
-    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
-    cache = tqhf.TurboQuantCache(model.config, preset=preset)
+    ids = tok(PROMPTS[1] + " lived by the shore and every morning went out in his little boat", return_tensors="pt").input_ids
+    cache = tqhf.TurboQuantCache(model.config, preset=preset, calibrate=calibrate)
     with torch.no_grad():
         model(ids, **_cache(cache), use_cache=True)
+        fitted = [cache.layers[i].attention.transform for i in cache.quantized_layers]
+        assert all((t is not None and t.key_scale is not None and t.value_offset is not None) == (calibrate is not None)
+                   for t in fitted)
         ref = _reference_cache(model, cache)
         nxt = torch.tensor([[tok.encode(" the")[0]]])
         ours = model(nxt, **_cache(cache), use_cache=True).logits[0, -1].double()

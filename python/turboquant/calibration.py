@@ -1,0 +1,146 @@
+"""Exact per-head transformations that make real K/V easier to quantize, at the same bytes per token.
+
+Attention is invariant to transformations the quantizer is not. For one (layer, KV head):
+
+* key centering: ``softmax(q·(k − μ))`` equals ``softmax(q·k)`` for any offset ``μ`` shared by the
+  keys a query sees (it shifts every logit of that query by ``q·μ``). Real keys share a large
+  per-channel offset (SmolLM2: |mean key| is 66-83 % of the rms in its worst heads), which the
+  quantizer spends its levels and its error budget (the error scales with ``||k||``) on.
+* per-channel key smoothing: ``q·k = (q ⊙ s)·(k ⊘ s)``; channels with a large spread stop dominating
+  the norm the quantization error scales with.
+* value centering: the attention weights sum to 1, so ``Σ p (v − ν) + ν = Σ p v``.
+
+The cache stores ``(k − μ) ⊘ s`` and ``v − ν``; a query attends as ``q ⊙ s`` and the output gets
+``ν`` added, so attention over the packed cache is the attention of the original K/V (up to the
+quantization). ``μ, s, ν`` are fitted per (layer, KV head) from the first K/V a layer stores,
+robustly: the first ``skip_first`` positions of each sequence (attention-sink tokens, whose norms
+can be many times the others') and any token whose key norm exceeds ``outlier_norm`` times the
+median are left out of the statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Which transformations to fit. ``smooth_keys`` is the exponent ``α`` of ``s = σ^α`` (σ each
+    channel's key standard deviation after centering, ``s`` normalized to geometric mean 1); 0 turns
+    smoothing off. ``min_tokens``: a first chunk with fewer usable tokens fits nothing (identity)."""
+
+    center_keys: bool = True
+    smooth_keys: float = 0.0
+    center_values: bool = False
+    skip_first: int = 4
+    outlier_norm: float = 4.0
+    min_tokens: int = 16
+
+    def __post_init__(self):
+        if self.smooth_keys < 0 or self.smooth_keys > 1:
+            raise ValueError(f"turboquant: Calibration.smooth_keys must be in [0, 1], got {self.smooth_keys}")
+        if self.skip_first < 0 or self.min_tokens < 1 or self.outlier_norm <= 1:
+            raise ValueError("turboquant: Calibration needs skip_first >= 0, min_tokens >= 1 and outlier_norm > 1, got "
+                             f"{self.skip_first}, {self.min_tokens}, {self.outlier_norm}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.center_keys or self.smooth_keys > 0 or self.center_values
+
+
+def as_calibration(calibrate) -> Calibration | None:
+    """``None``/``False``: none; ``True``: the default recipe; a ``Calibration``: itself."""
+    if calibrate is None or calibrate is False:
+        return None
+    if calibrate is True:
+        return Calibration()
+    if isinstance(calibrate, Calibration):
+        return calibrate if calibrate.enabled else None
+    raise ValueError(f"turboquant: calibrate must be None, a bool or a turboquant.calibration.Calibration, got "
+                     f"{type(calibrate).__name__}")
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 at least (float64 stays float64): the transformations' arithmetic."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class KVTransform:
+    """``μ, s, ν`` ``[Hkv, D]``, float32 or wider (``None`` where a transformation is off)."""
+
+    def __init__(self, key_offset=None, key_scale=None, value_offset=None):
+        self.key_offset, self.key_scale, self.value_offset = key_offset, key_scale, value_offset
+
+    # stored basis
+    def keys(self, key: torch.Tensor) -> torch.Tensor:
+        """``key [N, Hkv, D]`` -> ``(k − μ) ⊘ s`` in key's dtype."""
+        k = _wide(key)
+        if self.key_offset is not None:
+            k = k - self.key_offset
+        if self.key_scale is not None:
+            k = k / self.key_scale
+        return k.to(key.dtype)
+
+    def values(self, value: torch.Tensor) -> torch.Tensor:
+        if self.value_offset is None:
+            return value
+        return (_wide(value) - self.value_offset).to(value.dtype)
+
+    # attention in the stored basis
+    def query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query [T, Hq, D]`` -> ``q ⊙ s`` (query head ``h`` takes KV head ``h // group``)."""
+        if self.key_scale is None:
+            return query
+        return (_wide(query) * self._per_query_head(self.key_scale, query.shape[1])).to(query.dtype)
+
+    def output(self, out: torch.Tensor, attended: torch.Tensor | None = None) -> torch.Tensor:
+        """Adds ``ν`` back to ``out [T, Hq, D]``; rows where ``attended`` (bool ``[T]``) is false
+        (nothing to attend: the ops give zeros) stay zero."""
+        if self.value_offset is None:
+            return out
+        shift = self._per_query_head(self.value_offset, out.shape[1])
+        if attended is not None:
+            shift = shift * attended.to(shift.dtype)[:, None, None]
+        return (_wide(out) + shift).to(out.dtype)
+
+    # back to the original basis
+    def restore(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored-basis ``key, value [..., Hkv, D]`` -> the original basis."""
+        k, v = _wide(key), value
+        if self.key_scale is not None:
+            k = k * self.key_scale
+        if self.key_offset is not None:
+            k = k + self.key_offset
+        if self.value_offset is not None:
+            v = (_wide(v) + self.value_offset).to(value.dtype)
+        return k.to(key.dtype), v
+
+    @staticmethod
+    def _per_query_head(vec: torch.Tensor, q_heads: int) -> torch.Tensor:
+        return vec.repeat_interleave(q_heads // vec.shape[0], dim=0)
+
+
+def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], calibration: Calibration) -> KVTransform:
+    """Fits ``μ, s, ν`` from ``key, value [N, Hkv, D]``: the tokens of the sequences that start at
+    ``query_start_loc[b]`` (their positions 0.. in the sequence), sinks and outliers left out."""
+    keep = torch.ones(key.shape[0], dtype=torch.bool, device=key.device)
+    for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        keep[start:min(end, start + calibration.skip_first)] = False
+    k, v = _wide(key[keep]), _wide(value[keep])  # [n, Hkv, D]
+    if k.shape[0] < calibration.min_tokens:
+        return KVTransform()
+    norms = k.norm(dim=-1)  # [n, Hkv]
+    typical = (norms <= calibration.outlier_norm * norms.median(dim=0).values).float()[..., None]  # [n, Hkv, 1]
+    count = typical.sum(0).clamp_min(1)  # [Hkv, 1]
+    mean_k = (k * typical).sum(0) / count
+    key_offset = mean_k if calibration.center_keys else None
+    key_scale = None
+    if calibration.smooth_keys > 0:
+        centered = k - mean_k
+        std = ((centered.square() * typical).sum(0) / count).sqrt().clamp_min(1e-6)  # [Hkv, D]
+        scale = std.pow(calibration.smooth_keys)
+        key_scale = scale / scale.log().mean(dim=-1, keepdim=True).exp()  # geometric mean 1 per head
+    value_offset = (v * typical).sum(0) / count if calibration.center_values else None
+    return KVTransform(key_offset, key_scale, value_offset)
