@@ -29,16 +29,21 @@ import torch
 class Calibration:
     """Which transformations to fit. ``smooth_keys`` is the exponent ``α`` of ``s = σ^α`` (σ each
     channel's key standard deviation after centering, ``s`` normalized to geometric mean 1); 0 turns
-    smoothing off. ``min_tokens``: a first chunk with fewer usable tokens fits nothing (identity)."""
+    smoothing off. ``min_offset``: center only the heads whose mean key is at least this fraction of
+    their rms key norm (0: every head). ``min_tokens``: a first chunk with fewer usable tokens fits
+    nothing (identity)."""
 
     center_keys: bool = True
     smooth_keys: float = 0.0
     center_values: bool = False
+    min_offset: float = 0.0
     skip_first: int = 4
     outlier_norm: float = 4.0
     min_tokens: int = 16
 
     def __post_init__(self):
+        if not 0 <= self.min_offset < 1:
+            raise ValueError(f"turboquant: Calibration.min_offset must be in [0, 1), got {self.min_offset}")
         if self.smooth_keys < 0 or self.smooth_keys > 1:
             raise ValueError(f"turboquant: Calibration.smooth_keys must be in [0, 1], got {self.smooth_keys}")
         if self.skip_first < 0 or self.min_tokens < 1 or self.outlier_norm <= 1:
@@ -135,7 +140,13 @@ def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], cali
     typical = (norms <= calibration.outlier_norm * norms.median(dim=0).values).float()[..., None]  # [n, Hkv, 1]
     count = typical.sum(0).clamp_min(1)  # [Hkv, 1]
     mean_k = (k * typical).sum(0) / count
-    key_offset = mean_k if calibration.center_keys else None
+    key_offset = None
+    if calibration.center_keys:
+        rms = ((norms.square()[..., None] * typical).sum(0) / count).sqrt()  # [Hkv, 1]
+        # A head whose offset is small against its keys' norm keeps it: centering gains little there
+        # and moves its low-norm sink tokens, often most of the attention, to a typical norm
+        # (SmolLM2 and Qwen2.5 per head: docs/QUALITY.md).
+        key_offset = mean_k * (mean_k.norm(dim=-1, keepdim=True) >= calibration.min_offset * rms)
     key_scale = None
     if calibration.smooth_keys > 0:
         centered = k - mean_k

@@ -81,11 +81,11 @@ def test_mixed_batch_matches_attention_over_the_cache(preset, calibration):
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)
 
 
-def _pure_decode_setup(preset, device, dtype=torch.float32):
+def _pure_decode_setup(preset, device, dtype=torch.float32, calibration=None):
     """A layer whose 3 sequences hold 30, 17 and 0 tokens, and the next pure-decode step: the first
     two decode one token each, the third is a padding row (slot -1, seq_len 0)."""
     bs, hkv, hq, d = 16, 2, 8, 64
-    layer = PagedAttentionLayer(12, bs, hkv, d, preset, device=device, dtype=dtype)
+    layer = PagedAttentionLayer(12, bs, hkv, d, preset, device=device, dtype=dtype, calibration=calibration)
     block_table = torch.arange(12, dtype=torch.int32).view(3, 4).to(device)
     g = torch.Generator().manual_seed(7)
     meta = _step_meta(block_table.cpu(), [0, 0], [30, 17], 0, bs)
@@ -99,15 +99,19 @@ def _pure_decode_setup(preset, device, dtype=torch.float32):
     return layer, step, q, k, v
 
 
-@pytest.mark.parametrize("preset", [None, "turboquant_4bit_nc"])
-def test_pure_decode_step_matches_attention_over_the_cache(preset):
-    layer, step, q, k, v = _pure_decode_setup(preset, "cpu")
+@pytest.mark.parametrize("preset,calibration", [(None, None), ("turboquant_4bit_nc", None),
+                                                ("turboquant_4bit_nc", CALIBRATED)])
+def test_pure_decode_step_matches_attention_over_the_cache(preset, calibration):
+    layer, step, q, k, v = _pure_decode_setup(preset, "cpu", calibration=calibration)
+    assert calibration is None or layer.transform.key_scale is not None  # fitted on the prefill
     out = layer.forward(q, k, v, step, 0.125)
     if preset is None:
         keys = layer.cache[step.block_table.long()].flatten(1, 2)[:, :, 0]
         values = layer.cache[step.block_table.long()].flatten(1, 2)[:, :, 1]
     else:
         keys, values = tq.dequantize(layer.cache, step.block_table, step.seq_lens, preset, torch.float32)
+        if calibration is not None:
+            keys, values = layer.transform.restore(keys, values)
     for b, n in enumerate(step.seq_lens.tolist()):
         if n == 0:
             assert (out[b] == 0).all(), "a padding row decodes to zeros"
@@ -119,10 +123,12 @@ def test_pure_decode_step_matches_attention_over_the_cache(preset):
 
 
 @requires_cuda
-@pytest.mark.parametrize("preset", [None, "turboquant_4bit_nc"])
-def test_pure_decode_step_replays_in_a_cuda_graph(preset):
-    # bf16: the CUDA decode takes fp16/bf16 queries (a serving stack's dtype)
-    layer, step, q, k, v = _pure_decode_setup(preset, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("preset,calibration", [(None, None), ("turboquant_4bit_nc", None),
+                                                ("turboquant_4bit_nc", CALIBRATED)])
+def test_pure_decode_step_replays_in_a_cuda_graph(preset, calibration):
+    # bf16: the CUDA decode takes fp16/bf16 queries (a serving stack's dtype). Calibrated: the
+    # query scale and value offset are device ops, captured with the decode.
+    layer, step, q, k, v = _pure_decode_setup(preset, "cuda", torch.bfloat16, calibration)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -54,6 +54,17 @@ def test_fit_leaves_out_sink_tokens_and_outliers():
     assert rel_err(t.value_offset, v[keep].mean(0)) < 1e-6
 
 
+def test_min_offset_centers_only_the_heads_with_a_large_offset():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(200, 2, 64, generator=g, dtype=torch.float64)
+    k[:, 0] += 3.0  # head 0: mean key ~3x the spread; head 1: no offset
+    t = fit(k, k, [0, 200], Calibration(min_offset=0.5))
+    assert rel_err(t.key_offset[0], k[4:, 0].mean(0)) < 1e-6
+    assert (t.key_offset[1] == 0).all()
+    with pytest.raises(ValueError, match="min_offset"):
+        Calibration(min_offset=1.0)
+
+
 def test_a_chunk_too_short_to_fit_gives_the_identity():
     _, k, v = _real_like(n=19)
     t = fit(k, v, [0, 19], Calibration(smooth_keys=0.5, center_values=True, min_tokens=16))  # 15 after sinks
