@@ -14,7 +14,8 @@ packages (``--no-deps``) when they are missing. Writes the ``calibration`` secti
 Then, per model, why: each quantized (layer, KV head)'s attention-output error for the last 256
 queries of a 2,048-token window over the round-tripped K/V, without and with key centering (fitted
 on the window's first 256 tokens), against the key norm of the sink token (position 0) relative
-to the median key, before and after centering; plotted to docs/calibration_heads.png.
+to the median key, before and after centering; printed, and plotted to docs/calibration_heads.png
+(docs/QUALITY.md explains them).
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ from speed import replace_section  # noqa: E402
 
 RECIPES = {
     "none": None,
-    "keys centered": Calibration(),
-    "+ keys smoothed": Calibration(smooth_keys=0.5),
-    "+ values centered": Calibration(smooth_keys=0.5, center_values=True),
-    "keys centered where offset >= 0.85 rms": Calibration(min_offset=0.85),
+    "keys centered": Calibration(min_offset=0.0),
+    "+ keys smoothed": Calibration(smooth_keys=0.5, min_offset=0.0),
+    "keys centered where offset >= 0.85 rms": Calibration(),
 }
 
 
@@ -114,7 +114,7 @@ def head_errors(name: str) -> dict[str, torch.Tensor]:
         ref_p, _ = attend(k, v)
         ref = torch.einsum("hgtn,hnd->hgtd", ref_p, v)
         token_major = [t.transpose(0, 1).float().contiguous() for t in (k, v)]  # the ops store fp32
-        centered = fit(*(t[:256] for t in token_major), [0, 256], Calibration())
+        centered = fit(*(t[:256] for t in token_major), [0, 256], Calibration(min_offset=0.0))
         for preset in HEAD_PRESETS:
             for label, transform in (("none", KVTransform()), ("centered", centered)):
                 kq, vq = transform.restore(*packed(preset, *(transform.keys(token_major[0]),
@@ -182,7 +182,6 @@ def main() -> None:
         heads[name] = head_errors(name)
         summary = head_summary(name, heads[name])
         print(f"{name}: per-head attention error", *summary, sep="\n", flush=True)
-        sections += [f"**{name}**, per (layer, KV head) (plot: `docs/calibration_heads.png`):", "", *summary, ""]
         if not a.skip_perplexity:
             lines, about = model_rows(name, a.windows, name in a.decode_models)
             print(f"{name} ({about})", *lines, sep="\n", flush=True)
@@ -195,9 +194,11 @@ def main() -> None:
         "## Calibration on real models (`TurboQuantCache(..., calibrate=...)`)", "",
         f"{datetime.date.today()}, CPU, commit {commit}, `python benchmarks/calibration.py --windows {a.windows}`. "
         f"Perplexity against the plain cache, {a.windows} windows of 2,048 tokens; columns are cumulative recipes "
-        "(`turboquant.calibration.Calibration`): keys centered (`Calibration()`, what `calibrate=True` gives), then "
-        "key smoothing `s = σ^0.5` (`smooth_keys=0.5`), then value centering (`center_values=True`). Same bytes per "
-        "token in every column.", "", *sections]).rstrip()
+        "(`turboquant.calibration.Calibration`): keys centered in every head (`min_offset=0`), then "
+        "key smoothing `s = σ^0.5` (`smooth_keys=0.5`); the last column "
+        "centers only the heads whose mean key is at least 0.85 of their rms key norm (`Calibration()`, what "
+        "`calibrate=True` gives). Same bytes "
+        "per token in every column; docs/QUALITY.md says why each helps or hurts.", "", *sections]).rstrip()
     replace_section(a.out, "calibration", body, "benchmarks/calibration.py")
     print(f"wrote {a.out}")
 

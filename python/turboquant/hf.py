@@ -352,7 +352,8 @@ class TurboQuantCache(Cache):
         reserve_tokens: reserve this many tokens per sequence at the first step instead of
             growing the cache as generation proceeds.
         calibrate: exact per-head transformations of K/V fitted on the first prefill
-            (``turboquant.calibration``): ``True`` for the default recipe (key centering), a
+            (``turboquant.calibration``): ``True`` for the default recipe (keys centered in the
+            heads whose keys share a large offset), a
             ``Calibration`` to choose, ``None`` for none. Same bytes per token; attention is
             unchanged up to the quantization, which loses less on keys with a shared offset.
     """

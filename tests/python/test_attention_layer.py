@@ -23,7 +23,7 @@ def _step_meta(block_table, prev_lens, new_lens, num_decodes, block_size):
                         block_table, torch.tensor(slots), num_decodes)
 
 
-CALIBRATED = Calibration(smooth_keys=0.5, center_values=True)
+CALIBRATED = Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0)
 
 
 @pytest.mark.parametrize("preset,calibration", [(None, None)] + [(p, None) for p in tq.PRESETS]

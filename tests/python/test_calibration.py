@@ -30,7 +30,7 @@ def _real_like(n=300, hkv=2, d=64, seed=0):
 
 def test_transformed_attention_equals_the_original_in_float64():
     q, k, v = _real_like()
-    t = fit(k, v, [0, k.shape[0]], Calibration(smooth_keys=0.5, center_values=True))
+    t = fit(k, v, [0, k.shape[0]], Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0))
     assert t.key_offset is not None and t.key_scale is not None and t.value_offset is not None
     got = t.output(_attention(t.query(q), t.keys(k), t.values(v)))
     assert rel_err(got, _attention(q, k, v)) < 1e-12
@@ -47,7 +47,7 @@ def test_fit_leaves_out_sink_tokens_and_outliers():
     for s in starts[:-1]:
         k_sinky[s:s + 4] *= 50  # attention sinks: huge norms at each sequence's first positions
     k_sinky[77] *= 30  # and an outlier inside a sequence
-    t = fit(k_sinky, v_sinky, starts, Calibration(center_values=True))
+    t = fit(k_sinky, v_sinky, starts, Calibration(center_values=True, min_offset=0.0))
     keep = torch.ones(300, dtype=torch.bool)
     keep[[0, 1, 2, 3, 150, 151, 152, 153, 77]] = False
     assert rel_err(t.key_offset, k[keep].mean(0)) < 1e-6
@@ -67,7 +67,7 @@ def test_min_offset_centers_only_the_heads_with_a_large_offset():
 
 def test_a_chunk_too_short_to_fit_gives_the_identity():
     _, k, v = _real_like(n=19)
-    t = fit(k, v, [0, 19], Calibration(smooth_keys=0.5, center_values=True, min_tokens=16))  # 15 after sinks
+    t = fit(k, v, [0, 19], Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0, min_tokens=16))  # 15 after sinks
     assert t.key_offset is None and t.key_scale is None and t.value_offset is None
     q = torch.randn(3, 8, 64)
     assert t.query(q) is q
@@ -109,8 +109,8 @@ def _layer_error(preset, calibration, q, k, v):
 def test_calibration_lowers_the_error_on_keys_with_a_shared_offset(preset):
     q, k, v = _real_like()
     plain = _layer_error(preset, None, q, k, v)
-    centered = _layer_error(preset, Calibration(), q, k, v)
-    everything = _layer_error(preset, Calibration(smooth_keys=0.5, center_values=True), q, k, v)
+    centered = _layer_error(preset, Calibration(min_offset=0.0), q, k, v)
+    everything = _layer_error(preset, Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0), q, k, v)
     # keys offset by 3 sigma: centering takes most of the key error away (the value error stays,
     # the larger share at 3-bit values)
     assert centered < 0.8 * plain, (plain, centered)

@@ -180,7 +180,7 @@ def _reference_cache(model, cache, round_trip_new=True):
 
 
 @pytest.mark.parametrize("preset,calibrate", [(p, None) for p in tq.PRESETS]
-                         + [("turboquant_4bit_nc", Calibration(smooth_keys=0.5, center_values=True))])
+                         + [("turboquant_4bit_nc", Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0))])
 def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset, calibrate):
     """Calibrated: the packed layers hold transformed K/V; a decode step must attend as SDPA over
     what they restore to in the original basis."""
