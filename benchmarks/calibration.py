@@ -127,6 +127,9 @@ def head_errors(name: str) -> dict[str, torch.Tensor]:
         out.setdefault("sink attention", []).append(ref_p[..., 0].mean((1, 2)))
         out.setdefault("sink norm", []).append(norms[:, 0] / norms.median(dim=1).values)
         out.setdefault("sink norm centered", []).append(shifted[:, 0] / shifted.median(dim=1).values)
+        # the quantity min_offset thresholds: |mean key| / rms key norm over the fitted tokens
+        fitted = norms[:, 4:256]
+        out.setdefault("offset", []).append(centered.key_offset.double().norm(dim=-1) / fitted.square().mean(1).sqrt())
     return {key: torch.cat(vals) for key, vals in out.items()}
 
 
@@ -136,6 +139,18 @@ def head_summary(name: str, e: dict[str, torch.Tensor]) -> list[str]:
         none, cen = e[f"{preset} none"], e[f"{preset} centered"]
         lines.append(f"| {preset.replace('turboquant_', '')} | {none.mean():.3f} → {cen.mean():.3f} | "
                      f"{none.max():.3f} → {cen.max():.3f} | {int((cen > 1.05 * none).sum())} of {len(none)} |")
+    lines += ["", "Centering only the heads whose offset is at least `min_offset` of their rms key norm (heads are "
+              "quantized independently, so each takes its plain or centered error):", "",
+              "| min_offset | heads centered | " + " | ".join(f"{p.replace('turboquant_', '')} mean / worst / worse by > 5 %"
+                                                        for p in HEAD_PRESETS) + " |", "|---|---|---|---|"]
+    for threshold in (0.0, 0.7, 0.8, 0.85, 0.9):
+        centered = e["offset"] >= threshold
+        cells = []
+        for preset in HEAD_PRESETS:
+            none = e[f"{preset} none"]
+            chosen = torch.where(centered, e[f"{preset} centered"], none)
+            cells.append(f"{chosen.mean():.3f} / {chosen.max():.3f} / {int((chosen > 1.05 * none).sum())}")
+        lines.append(f"| {threshold} | {int(centered.sum())} of {len(centered)} | " + " | ".join(cells) + " |")
     low = e["sink norm"] < 0.5
     lines += ["", f"Sink token (position 0): median share of the attention {e['sink attention'].median():.2f}; its key "
               f"norm over the median key's {e['sink norm'].median():.2f} before centering, "
