@@ -127,7 +127,7 @@ def head_errors(name: str) -> dict[str, torch.Tensor]:
         out.setdefault("sink attention", []).append(ref_p[..., 0].mean((1, 2)))
         out.setdefault("sink norm", []).append(norms[:, 0] / norms.median(dim=1).values)
         out.setdefault("sink norm centered", []).append(shifted[:, 0] / shifted.median(dim=1).values)
-        # the quantity min_offset thresholds: |mean key| / rms key norm over the fitted tokens
+        # what min_offset thresholds: |mean key| / rms key norm over the fitted tokens (fit also drops outliers)
         fitted = norms[:, 4:256]
         out.setdefault("offset", []).append(centered.key_offset.double().norm(dim=-1) / fitted.square().mean(1).sqrt())
     return {key: torch.cat(vals) for key, vals in out.items()}

@@ -33,8 +33,8 @@ class Calibration:
     their rms key norm (0: every head). The default, 0.85, is the measured trade-off of
     benchmarks/calibration.py: on SmolLM2 centering every head cost k3v4_nc +3.8 % serving
     perplexity against +0.5 % plain, 0.85 cost +0.9 %, while on Qwen2.5 it kept most of the gain
-    (4bit_nc +2.6 % plain, +1.1 % every head, +0.2 % at 0.85; tables in RESULTS.md). ``min_tokens``: a first chunk with fewer usable tokens fits
-    nothing (identity)."""
+    (4bit_nc +2.6 % plain, +1.1 % every head, +0.2 % at 0.85; tables in RESULTS.md).
+    ``min_tokens``: a first chunk with fewer usable tokens fits nothing (identity)."""
 
     center_keys: bool = True
     smooth_keys: float = 0.0
