@@ -101,17 +101,17 @@ class KVTransform:
         """``query [T, Hq, D]`` -> ``q ⊙ s`` (query head ``h`` takes KV head ``h // group``)."""
         if self.key_scale is None:
             return query
-        return (_wide(query) * self._per_query_head(self.key_scale, query.shape[1])).to(query.dtype)
+        return (self._grouped(query) * self.key_scale[:, None]).reshape(query.shape).to(query.dtype)
 
     def output(self, out: torch.Tensor, attended: torch.Tensor | None = None) -> torch.Tensor:
         """Adds ``ν`` back to ``out [T, Hq, D]``; rows where ``attended`` (bool ``[T]``) is false
         (nothing to attend: the ops give zeros) stay zero."""
         if self.value_offset is None:
             return out
-        shift = self._per_query_head(self.value_offset, out.shape[1])
+        shift = self.value_offset[:, None]  # [Hkv, 1, D]: every query head of a group
         if attended is not None:
-            shift = shift * attended.to(shift.dtype)[:, None, None]
-        return (_wide(out) + shift).to(out.dtype)
+            shift = shift * attended.to(shift.dtype)[:, None, None, None]
+        return (self._grouped(out) + shift).reshape(out.shape).to(out.dtype)
 
     # back to the original basis
     def restore(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +125,12 @@ class KVTransform:
             v = (_wide(v) + self.value_offset).to(value.dtype)
         return k.to(key.dtype), v
 
-    @staticmethod
-    def _per_query_head(vec: torch.Tensor, q_heads: int) -> torch.Tensor:
-        return vec.repeat_interleave(q_heads // vec.shape[0], dim=0)
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, Hq, D]`` -> ``[T, Hkv, group, D]`` in float32 or wider: query head ``h`` belongs to
+        KV head ``h // group``, so the per-KV-head vectors broadcast without a copy per query head."""
+        tokens, q_heads, dim = x.shape
+        kv_heads = (self.key_scale if self.key_scale is not None else self.value_offset).shape[0]
+        return _wide(x).reshape(tokens, kv_heads, q_heads // kv_heads, dim)
 
 
 def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], calibration: Calibration) -> KVTransform:

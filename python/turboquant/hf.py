@@ -353,9 +353,9 @@ class TurboQuantCache(Cache):
             growing the cache as generation proceeds.
         calibrate: exact per-head transformations of K/V fitted on the first prefill
             (``turboquant.calibration``): ``True`` for the default recipe (keys centered in the
-            heads whose keys share a large offset), a
-            ``Calibration`` to choose, ``None`` for none. Same bytes per token; attention is
-            unchanged up to the quantization, which loses less on keys with a shared offset.
+            heads whose keys share a large offset), a ``Calibration`` to choose, ``None`` for
+            none. Same bytes per token; attention is unchanged up to the quantization, which
+            loses less on keys with a shared offset.
     """
 
     def __init__(self, config, preset: str = "turboquant_4bit_nc", boundary_skip_layers: int = 2,
