@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
@@ -22,6 +23,11 @@ inline void append(std::string& s, const std::string& v) { s += v; }
 template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 void append(std::string& s, T v) {
   s += std::to_string(v);
+}
+inline void append(std::string& s, double v) {  // a double would otherwise take the IntArrayRef overload
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  s += buf;
 }
 inline void append(std::string& s, c10::IntArrayRef v) {
   s += '[';

@@ -2,8 +2,11 @@
 #include "op_checks.h"
 
 #include "error_message.h"
+#include "turboquant/attention_options.h"
 #include "turboquant/split_plan.h"
 
+#include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
@@ -180,6 +183,29 @@ DecodeArgs check_decode_varlen_args(const at::Tensor& query, const at::Tensor& k
                                     const at::Tensor& query_start_loc, const std::string& preset,
                                     int64_t num_splits) {
   return check_decode_common(query, kv_cache, block_table, seq_lens, &query_start_loc, preset, num_splits);
+}
+
+bool AttentionOptions::any() const { return window != INT_MAX || softcap != 0.0 || sinks.defined(); }
+
+AttentionOptions check_attention_options(const at::Tensor& query, int64_t window_left, double softcap,
+                                         const std::optional<at::Tensor>& sinks) {
+  TQ_CHECK(window_left >= -1 && window_left <= INT_MAX - 1,
+           "turboquant: window_left must be -1 (no window) or a number of tokens >= 0, got ", window_left);
+  TQ_CHECK(std::isfinite(softcap) && softcap >= 0.0,
+           "turboquant: softcap must be a finite number >= 0 (0 = no soft-capping), got ", softcap);
+  AttentionOptions o;
+  o.window = window_span(static_cast<int>(window_left));
+  o.softcap = softcap;
+  if (sinks.has_value() && sinks->defined()) {
+    const at::Tensor& s = *sinks;
+    TQ_CHECK(s.scalar_type() == at::kFloat, "turboquant: sinks must be float32, got ", s.scalar_type());
+    TQ_CHECK(s.dim() == 1 && s.size(0) == query.size(1), "turboquant: sinks must be 1-D [num_q_heads] = [",
+             query.size(1), "], got shape ", s.sizes());
+    TQ_CHECK(s.is_contiguous(), "turboquant: sinks must be contiguous");
+    check_same_device(query, "query", s, "sinks");
+    o.sinks = s;
+  }
+  return o;
 }
 
 void check_query_start_loc_values(const at::Tensor& query_start_loc, int64_t total_q) {

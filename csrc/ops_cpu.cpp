@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "op_checks.h"
+#include "turboquant/attention_options.h"
 #include "turboquant/lloyd_max.h"
 #include "turboquant/query_chunks.h"
 #include "turboquant/slot_codec.h"
@@ -96,14 +97,19 @@ struct Partial {
 };
 
 // The decode of checked arguments: one query row per block-table row and length (a.batch of them).
+// Each row reads the positions its window leaves it (all of [0, seq_len) without one), split into
+// `splits` ranges; soft-capping applies to each score, and the sinks join the merge as one more
+// partial result per head, of log-sum-exp `sink` and no value.
 at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                          const at::Tensor& seq_lens, const DecodeArgs& a, double scale, int64_t num_splits) {
+                          const at::Tensor& seq_lens, const DecodeArgs& a, double scale, int64_t num_splits,
+                          const AttentionOptions& options) {
   const int d = a.layout.head_dim;
   const int64_t hkv = a.cache.num_kv_heads, group = a.num_q_heads / hkv;
   const int64_t max_context = a.max_blocks_per_seq * a.cache.block_size;
+  const int read_context = windowed_context(static_cast<int>(max_context), options.window, 1);
   const int splits = num_splits > 0 ? static_cast<int>(num_splits)
                                     : default_num_splits(static_cast<int>(a.batch),
-                                                         static_cast<int>(hkv), static_cast<int>(max_context),
+                                                         static_cast<int>(hkv), read_context,
                                                          /*resident_ctas=*/32);
   const Codebook* cb = key_codebook(*a.preset, d);
   const bool rotated = a.preset->key_format == KeyFormat::kLloydMax;
@@ -127,6 +133,7 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hkv, kvh = item % hkv;
       const int seq_len = static_cast<int>(std::clamp<int64_t>(lens[b], 0, max_context));
+      const int first = window_start(seq_len, options.window);
       for (int64_t g = 0; g < group; ++g) {
         const float* src = qp + (b * a.num_q_heads + kvh * group + g) * d;
         std::copy(src, src + d, qr[g].begin());
@@ -136,10 +143,10 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
         }
       }
       for (int s = 0; s < splits; ++s) {
-        const TokenRange r = split_token_range(seq_len, splits, s);
+        const TokenRange r = split_token_range(seq_len - first, splits, s);
         std::vector<Partial> part(group);
         for (auto& p : part) p.acc.assign(d, 0.0);
-        for (int t = r.begin; t < r.end; ++t) {
+        for (int t = first + r.begin; t < first + r.end; ++t) {
           const int64_t base = token_slot_base(a.cache, bt + b * a.max_blocks_per_seq, t);
           if (base < 0) continue;
           const uint8_t* slot = cache + base + kvh * a.cache.stride_head;
@@ -148,7 +155,7 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
           for (int64_t g = 0; g < group; ++g) {
             double dot = 0.0;
             for (int i = 0; i < d; ++i) dot += static_cast<double>(qr[g][i]) * key[i];
-            const double score = scale * dot;
+            const double score = softcap_logit(scale * dot, options.softcap);
             Partial& p = part[g];
             const double m = std::max(p.max, score);
             const double alpha = std::exp(p.max - m), w = std::exp(score - m);
@@ -167,7 +174,12 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
     }
   });
 
-  // Log-sum-exp merge of the splits; a sequence with no tokens gives zeros.
+  if (options.sinks.defined()) {  // one more partial per head: log-sum-exp sink, output 0
+    at::Tensor sink_lse = options.sinks.view({1, a.num_q_heads, 1}).expand({a.batch, a.num_q_heads, 1});
+    partial_lse = at::cat({partial_lse, sink_lse}, 2);
+    partial_out = at::cat({partial_out, at::zeros({a.batch, a.num_q_heads, 1, d}, q.options())}, 2);
+  }
+  // Log-sum-exp merge of the splits; a sequence with no tokens (and no sink) gives zeros.
   at::Tensor lse_max = std::get<0>(partial_lse.max(/*dim=*/2, /*keepdim=*/true));
   at::Tensor finite_max = at::where(at::isinf(lse_max), at::zeros_like(lse_max), lse_max);
   at::Tensor weights = at::exp(partial_lse - finite_max);  // exp(-inf) = 0 for empty splits
@@ -178,21 +190,26 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
 
 at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      c10::string_view preset, double scale, int64_t num_splits) {
+                      c10::string_view preset, double scale, int64_t num_splits, int64_t window_left,
+                      double softcap, const std::optional<at::Tensor>& sinks) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens,
                                          std::string(preset), num_splits);
+  const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
-  return run_decode_cpu(query, kv_cache, block_table, seq_lens, a, scale, num_splits);
+  return run_decode_cpu(query, kv_cache, block_table, seq_lens, a, scale, num_splits, options);
 }
 
 // Multi-token queries: each query row is one decode row with its sequence's block-table row and
-// its own causal length (turboquant/query_chunks.h), so the reference is the decode itself. Rows
+// its own causal length (turboquant/query_chunks.h), so the reference is the decode itself (a
+// window counts back from each row's own position). Rows
 // outside every sequence's range get length 0, hence zeros.
 at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                             c10::string_view preset, double scale, int64_t num_splits) {
+                             c10::string_view preset, double scale, int64_t num_splits, int64_t window_left,
+                             double softcap, const std::optional<at::Tensor>& sinks) {
   const DecodeArgs a = check_decode_varlen_args(query, kv_cache, block_table, seq_lens, query_start_loc,
                                                 std::string(preset), num_splits);
+  const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
   const int64_t total_q = query.size(0);
   check_query_start_loc_values(query_start_loc, total_q);
   // The caller's tensors, so an error names the caller's entries (not a per-row copy's).
@@ -213,7 +230,7 @@ at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache
   }
   DecodeArgs rows = a;
   rows.batch = total_q;
-  return run_decode_cpu(query, kv_cache, row_tables, row_lens, rows, scale, num_splits);
+  return run_decode_cpu(query, kv_cache, row_tables, row_lens, rows, scale, num_splits, options);
 }
 
 void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,

@@ -81,7 +81,7 @@ void check_cuda_decode_inputs(const at::Tensor& query, const at::Tensor& kv_cach
 // One launch of the decode kernel (plus the split merge). query_start_loc undefined: plain decode.
 at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const DecodeArgs& a,
-                           double scale, int64_t num_splits) {
+                           double scale, int64_t num_splits, const AttentionOptions& options) {
   const bool varlen = query_start_loc.defined();
   const c10::cuda::CUDAGuard guard(query.device());
   // Varlen rows outside every sequence's range are never written: zeros.
@@ -101,6 +101,9 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.scale = static_cast<float>(scale);
+  p.window = options.window;
+  p.softcap = static_cast<float>(options.softcap);
+  p.sinks = options.sinks.defined() ? options.sinks.data_ptr<float>() : nullptr;
   const DecodeKernel kernel = choose_decode_kernel(p);
   if (num_splits > 0) {
     p.num_splits = static_cast<int>(num_splits);  // as asked: every sequence is divided into that many
@@ -126,27 +129,31 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
 }
 
 at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits) {
+                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
+                       int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
+  const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
   check_cuda_decode_inputs(query, kv_cache, a);
   TQ_CHECK(a.batch <= 65535, "turboquant: CUDA decode supports a batch of at most 65535 sequences, got ", a.batch);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
-  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits);
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options);
 }
 
 // query_start_loc's values are read on the device (clamped into the query's rows, never a host
 // sync); TURBOQUANT_CHECK_INDICES=1 also checks them on the host.
 at::Tensor decode_varlen_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, c10::string_view preset,
-                              double scale, int64_t num_splits) {
+                              double scale, int64_t num_splits, int64_t window_left, double softcap,
+                              const std::optional<at::Tensor>& sinks) {
   const DecodeArgs a = check_decode_varlen_args(query, kv_cache, block_table, seq_lens, query_start_loc,
                                                 std::string(preset), num_splits);
+  const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
   check_cuda_decode_inputs(query, kv_cache, a);
   if (index_checking_enabled()) {
     check_block_table_in_range(block_table, seq_lens, a.cache);
     check_query_start_loc_values(query_start_loc, query.size(0));
   }
-  return run_decode_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, a, scale, num_splits);
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, a, scale, num_splits, options);
 }
 
 void dequantize_into_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,

@@ -6,15 +6,18 @@ TORCH_LIBRARY(turboquant, m) {
   m.def(
       "store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str preset) "
       "-> ()");
+  // Attention options (turboquant/attention_options.h): window_left -1 = no window, softcap 0 = none,
+  // sinks fp32 [num_q_heads] or None.
   m.def(
       "decode(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, str preset, "
-      "float scale, int num_splits=0) -> Tensor");
+      "float scale, int num_splits=0, int window_left=-1, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   // Several query tokens per sequence (continuation chunks, speculative verification):
   // query [total_q, Hq, D], query_start_loc int32 [batch + 1]; query row i of sequence b attends
   // to positions < seq_len_b - q_len_b + 1 + i. Rows outside every sequence's range are zeros.
   m.def(
       "decode_varlen(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, str preset, float scale, int num_splits=0) -> Tensor");
+      "Tensor query_start_loc, str preset, float scale, int num_splits=0, int window_left=-1, "
+      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "dequantize(Tensor kv_cache, Tensor block_table, Tensor seq_lens, str preset, "
       "ScalarType dtype) -> (Tensor, Tensor)");

@@ -38,6 +38,7 @@
 #include "device_utils.cuh"
 #include "dispatch.cuh"
 #include "launchers.h"
+#include "turboquant/attention_options.h"
 #include "turboquant/numeric.h"
 #include "turboquant/split_plan.h"
 
@@ -125,7 +126,8 @@ struct SlotStaging {
 
 template <class C, typename T>
 __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
-    decode_kernel(const DecodeParams p, const float q_multiplier, const int head_chunks, const bool cluster_splits) {
+    decode_kernel(const DecodeParams p, const float q_multiplier, const float softcap_log2, const int head_chunks,
+                  const bool cluster_splits) {
   using namespace device;
   constexpr int D = C::D;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -171,11 +173,17 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // load and the block ids' (applied to every row it measured about 0.3 us slower per short step,
   // H200, bench_serving.py), while the grid's count is known at launch, so the compiler
   // computes its reciprocal while seq_len is in flight (SASS, sm_90).
+  // With a window the row reads from the first tile of its first column's window on (the split plan
+  // was made for windowed_context tokens), so its cost tracks the window, not the context.
   const int context = limit(num_columns - 1);
-  TokenRange range = split_token_range(context, p.num_splits, split);
-  if (context < p.split_waves.full_context) {
-    range = split_token_range(context, row_splits_in_grid(p.split_waves, context, p.num_splits), split);
+  const int first = p.window == INT_MAX ? 0 : window_first_tile_token(limit(0), p.window);
+  const int span = context - first;
+  TokenRange range = split_token_range(span, p.num_splits, split);
+  if (span < p.split_waves.full_context) {
+    range = split_token_range(span, row_splits_in_grid(p.split_waves, span, p.num_splits), split);
   }
+  range.begin += first;  // tile-aligned: a tile never straddles a block
+  range.end += first;
   if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and ignores the partial vector (unwritten), so nothing else is needed.
@@ -377,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
       const bool tile_ok = tile_code >= 0;
       device::attend_tile<C, kMisalign>(lane, slot_ptr, pos_lo, tile_ok && pos_lo < range.end,
                                         tile_ok && pos_lo + 8 < range.end, limit0, limit1, table_lane_bytes,
-                                        table_base, qf, st);
+                                        table_base, qf, st, p.window, softcap_log2);
       // The next iteration refills this stage: every lane's reads of it are done before that.
       __syncwarp();
       stage = stage == C::kStages - 1 ? 0 : stage + 1;
@@ -440,7 +448,11 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   for (int h = warp; h < num_columns; h += kWarps) {
     const float* col = merge + h * kRow;  // warp w's partials of the column at col + w * kWarpStride
     constexpr int kWarpStride = kHeads * kRow;
-    float mx = -INFINITY;
+    // The head's attention sink (log2 domain) joins the denominator once, in split 0: its
+    // log-sum-exp then carries the sink's mass into whichever merge follows, exactly.
+    const int token = column_token(h, num_heads);
+    const float sink = p.sinks != nullptr && split == 0 ? p.sinks[head0 + h - token * num_heads] * kLog2e : -INFINITY;
+    float mx = sink;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, col[w * kWarpStride + D]);
     // The combined softmax sum den decides, as in the tile loop (column_saw_tokens): a warp that
@@ -448,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     // NaN l and acc reach den and num through the zero weight (0 x NaN), also where every warp's m
     // is -inf (the base is then 0, as in online_softmax_tiles).
     const float base = mx == -INFINITY ? 0.0f : mx;
-    float wt[kWarps], zero[kWarps], den = 0.0f;
+    float wt[kWarps], zero[kWarps], den = exp2f(sink - base);  // 0 without a sink
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       wt[w] = exp2f(col[w * kWarpStride + D] - base);
@@ -458,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     const bool any = column_saw_tokens(den);
     const float inv_den = 1.0f / den;  // one division per column (a NaN den makes every output NaN)
     const float lse = any ? base + log2f(den) : -INFINITY;
-    const int64_t row = out_row(h);
+    const int64_t row = columns.row(h, token);
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int d = lane + 32 * e;
@@ -516,6 +528,7 @@ struct LaunchDecode {
     if (err != cudaSuccess) return err;
     const int head_chunks = decode_head_chunks(p);
     const float q_multiplier = decode_query_multiplier<C>(p.scale);
+    const float softcap_log2 = p.softcap * kLog2e;  // the kernel's scores are log2(e) x the logits
     // Splits vary slowest: where rows take fewer splits than the grid (DecodeParams::split_waves),
     // the CTAs with tokens come first in launch order and so spread over the SMs (splits in y put
     // batch 2's busy CTAs beside batch 1's, two per SM: B = 2..8 at L = 256 with 32k-token block
@@ -532,9 +545,10 @@ struct LaunchDecode {
       cudaLaunchAttribute cluster = cluster_z_attribute(p.num_splits);
       config.attrs = &cluster;
       config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, p, q_multiplier, head_chunks, true);
+      return cudaLaunchKernelEx(&config, decode_kernel<C, T>, p, q_multiplier, softcap_log2, head_chunks, true);
     }
-    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, head_chunks, false);
+    decode_kernel<C, T><<<grid, kThreads, C::kSmemBytes, stream>>>(p, q_multiplier, softcap_log2, head_chunks,
+                                                                   false);
     err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
     return launch_decode_merge(p, stream);

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "launchers.h"
+#include "turboquant/attention_options.h"
 #include "turboquant/query_chunks.h"
 #include "turboquant/split_plan.h"
 
@@ -62,7 +63,10 @@ static int plan_per_head_splits(DecodeParams& p, int capacity) {
   return splits;
 }
 
+// Decodes with attention options (windows, soft-capping, sinks) take the per-head kernel, the one
+// that implements them; the row and chunked kernels serve plain causal attention.
 DecodeKernel choose_decode_kernel(const DecodeParams& p) {
+  if (p.has_attention_options()) return DecodeKernel::kHeads;
   if (use_chunked_varlen(p)) return DecodeKernel::kChunked;
   return decode_rows_supports(p) ? DecodeKernel::kRows : DecodeKernel::kHeads;
 }
@@ -96,8 +100,10 @@ void choose_decode_splits(DecodeParams& p, DecodeKernel kernel) {
                                                    p.cache.num_kv_heads / kRowHeads, max_context, device_sm_count(),
                                                    /*resident_per_sm=*/1, /*warps_per_range=*/1);
     p.num_splits = std::min(splits, kMaxPlannedSplits * per_cta);  // kMaxDecodeSplits at 2 per CTA
-  } else {  // the per-head kernel: the grid from the table's capacity, each row's share from its context
-    p.num_splits = plan_per_head_splits(p, max_context);
+  } else {  // the per-head kernel: the grid from the tokens a CTA reads at most (the table's capacity,
+            // or its window), each row's share from its own
+    const int tokens_per_cta = p.query_start_loc == nullptr ? 1 : varlen_tokens_per_cta(group);
+    p.num_splits = plan_per_head_splits(p, windowed_context(max_context, p.window, tokens_per_cta));
   }
 }
 
@@ -114,7 +120,9 @@ cudaError_t launch_decode(const DecodeParams& p, DecodeKernel kernel, cudaStream
   if (kernel == DecodeKernel::kChunked) return launch_decode_chunked(p, stream);
   if (decode_query_chunks(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
   if (kernel == DecodeKernel::kRows) return launch_decode_rows(p, stream);
-  if (p.query_start_loc == nullptr && forced_decode_kernel() == 2) return cudaErrorNotSupported;
+  if (p.query_start_loc == nullptr && forced_decode_kernel() == 2 && !p.has_attention_options()) {
+    return cudaErrorNotSupported;
+  }
   return launch_decode_heads(p, stream);
 }
 

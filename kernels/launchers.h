@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "turboquant/layout.h"
@@ -52,6 +53,12 @@ struct DecodeParams {
   SlotLayout layout;
   Codebook codebook;
   float scale = 1.0f;
+  // Attention options (turboquant/attention_options.h); only the per-head kernel applies them
+  // (choose_decode_kernel sends every decode that sets one there).
+  int window = INT_MAX;           // window_span(window_left)
+  float softcap = 0.0f;           // 0: none
+  const float* sinks = nullptr;   // [num_q_heads] fp32 logits, or none
+  bool has_attention_options() const { return window != INT_MAX || softcap != 0.0f || sinks != nullptr; }
   int num_splits = 1;
   // Set where the library chose num_splits for the per-head kernel (choose_decode_splits):
   // each CTA row then takes row_splits_in_grid(split_waves, its context, num_splits) of the

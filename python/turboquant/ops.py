@@ -35,8 +35,23 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     torch.ops.turboquant.store_kv(key, value, kv_cache, slot_mapping, preset)
 
 
+_OPTIONS_DOC = """
+    Attention options (any combination; the defaults are plain causal attention):
+
+    * ``window_left``: a query at position ``p`` attends to positions ``[p - window_left, p]``
+      (FlashAttention's ``window_size[0]``); ``-1`` for no window. A transformers model's
+      ``sliding_window`` ``W`` is ``window_left = W - 1``. A windowed decode reads only the
+      window's blocks.
+    * ``softcap``: logits ``s`` become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2);
+      ``0`` for none.
+    * ``sinks``: fp32 ``[Hq]``, one logit per query head that joins every softmax's denominator
+      and carries no value (gpt-oss); ``None`` for none.
+"""
+
+
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-           preset: str, scale: float, num_splits: int = 0) -> torch.Tensor:
+           preset: str, scale: float, num_splits: int = 0, *, window_left: int = -1, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of attention over the packed cache.
 
     ``query [B, Hq, D]``; ``block_table [B, max_blocks] int32``; ``seq_lens [B] int32``. Query head
@@ -45,11 +60,12 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     ``num_splits=0`` lets the library choose a split-KV count from the shapes only.
     """
     return torch.ops.turboquant.decode(query, kv_cache, block_table, seq_lens, preset, float(scale),
-                                       int(num_splits))
+                                       int(num_splits), int(window_left), float(softcap), sinks)
 
 
 def decode_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, preset: str, scale: float, num_splits: int = 0) -> torch.Tensor:
+                  query_start_loc: torch.Tensor, preset: str, scale: float, num_splits: int = 0, *,
+                  window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Several query tokens per sequence over the packed cache (continuation chunks, speculative
     verification, multi-turn follow-ups).
 
@@ -61,10 +77,15 @@ def decode_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     of one sequence (``8 // group`` tokens per CTA for GQA groups up to 8), so each key tile it
     reads serves several query tokens; the grid depends only on shapes (graph-capturable, no host
     sync). Rows outside every ``[query_start_loc[b], query_start_loc[b+1])`` are zeros. The CPU
-    implementation runs each row as a decode row with its own causal length.
+    implementation runs each row as a decode row with its own causal length. A window counts back
+    from each query token's own position.
     """
     return torch.ops.turboquant.decode_varlen(query, kv_cache, block_table, seq_lens, query_start_loc, preset,
-                                              float(scale), int(num_splits))
+                                              float(scale), int(num_splits), int(window_left), float(softcap), sinks)
+
+
+decode.__doc__ += _OPTIONS_DOC
+decode_varlen.__doc__ += _OPTIONS_DOC
 
 
 def dequantize(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, preset: str,
@@ -93,12 +114,14 @@ def _dequantize_into_fake(kv_cache, block_table, seq_lens, preset, key_out, valu
 
 
 @torch.library.register_fake("turboquant::decode")
-def _decode_fake(query, kv_cache, block_table, seq_lens, preset, scale, num_splits=0):
+def _decode_fake(query, kv_cache, block_table, seq_lens, preset, scale, num_splits=0, window_left=-1, softcap=0.0,
+                 sinks=None):
     return torch.empty_like(query)
 
 
 @torch.library.register_fake("turboquant::decode_varlen")
-def _decode_varlen_fake(query, kv_cache, block_table, seq_lens, query_start_loc, preset, scale, num_splits=0):
+def _decode_varlen_fake(query, kv_cache, block_table, seq_lens, query_start_loc, preset, scale, num_splits=0,
+                        window_left=-1, softcap=0.0, sinks=None):
     return torch.empty_like(query)
 
 

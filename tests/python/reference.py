@@ -137,3 +137,34 @@ def attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.to(torch.float64), b.to(torch.float64)
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def attention_options_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens, q_lens,
+                                scale: float, window_left: int = -1, softcap: float = 0.0,
+                                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 attention with the ops' options, written from their definitions. query [total_q, Hq, D]
+    (q_lens[b] rows per sequence, a plain decode has one each); keys/values [B, L, Hkv, D]. Row i of
+    sequence b is at position p = seq_len_b - q_len_b + i and sees positions [p - window_left, p]
+    (all of [0, p] for window_left < 0); logits s = scale * q.k, soft-capped to softcap * tanh(s / softcap);
+    each head's sink logit joins the softmax and carries no value. Zeros where nothing is seen."""
+    out, row = [], 0
+    group = query.shape[1] // keys.shape[2]
+    for b, (n, m) in enumerate(zip([int(x) for x in seq_lens], q_lens)):
+        k = keys[b].to(torch.float64).repeat_interleave(group, dim=1)
+        v = values[b].to(torch.float64).repeat_interleave(group, dim=1)
+        for i in range(m):
+            q = query[row].to(torch.float64)
+            row += 1
+            end = min(max(n - m + 1 + i, 0), n)  # positions < end are causal
+            start = max(end - 1 - window_left, 0) if window_left >= 0 else 0
+            if end <= start:
+                out.append(torch.zeros_like(q))
+                continue
+            s = torch.einsum("hd,thd->ht", q, k[start:end]) * scale
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            if sinks is not None:
+                s = torch.cat([s, sinks.to(torch.float64)[:, None]], dim=1)
+            p = s.softmax(-1)[:, :end - start]
+            out.append(torch.einsum("ht,thd->hd", p, v[start:end]))
+    return torch.stack(out)
