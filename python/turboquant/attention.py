@@ -17,6 +17,11 @@ of K/V from the first K/V it stores and keeps the packed cache in their basis: s
 dequantized K/V are restored to the original basis.
 A layer built with ``preset=None`` keeps a plain paged bf16/fp16 cache (the boundary layers that
 ``boundary_skip_layers`` selects) and runs every part with SDPA over the gathered cache.
+A layer built with attention options (``window_left``, ``softcap``, ``sinks``: see
+``turboquant.ops.decode``) applies them on every path: the ops take them, and the dense paths
+(first chunks, long continuation chunks, the plain cache) use SDPA with a windowed mask, or
+eager attention in fp32 where soft-capping or sinks are set (SDPA has neither). Calibration keeps
+only the transformations that stay exact under them (``Calibration.exact_for``).
 
 A pure-decode step (every sequence decodes one token) makes no host synchronisation, for either
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables
@@ -57,14 +62,44 @@ class StepMetadata:
     num_decodes: int
 
 
+def dense_attention(q, k, v, mask, scale: float, softcap: float = 0.0, sinks=None):
+    """q [B, Hq, M, D] attends k, v [B, Hkv, N, D] where the bool ``mask`` [B or 1, 1, M, N] allows:
+    SDPA (GQA without copies) when neither soft-capping nor sinks are set, else eager attention in
+    fp32 with the ops' definitions. Rows that see nothing (and have no sink) are zeros. -> [B, Hq, M, D]
+    in q's dtype."""
+    if not softcap and sinks is None:
+        try:
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+        except TypeError:  # torch < 2.5 has no enable_gqa: copy K/V once per query head
+            group = q.shape[1] // k.shape[1]
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype).repeat_interleave(group, 1),
+                                                 v.to(q.dtype).repeat_interleave(group, 1), attn_mask=mask, scale=scale)
+        return torch.where(mask.any(-1, keepdim=True), out, 0.0)  # SDPA gives NaN rows where all is masked
+    group = q.shape[1] // k.shape[1]
+    logits = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float().repeat_interleave(group, 1)) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        weights = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        weights = torch.where(mask.any(-1, keepdim=True), logits.softmax(-1), 0.0)
+    return torch.einsum("bhmn,bhnd->bhmd", weights, v.float().repeat_interleave(group, 1)).to(q.dtype)
+
+
 class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
                  device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, window_left: int = -1, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None):
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.varlen_threshold = varlen_threshold
-        self.calibration = calibration if preset is not None else None
+        self._recipe = calibration if preset is not None else None
         self.transform: KVTransform | None = None  # fitted on the first store when calibrating
+        self._sinks_source = None
+        self.set_attention_options(window_left, softcap, sinks, device)
         if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]
             rows = num_blocks * block_size
             # One spare row past the cache takes the writes of padding / out-of-range slots, so a
@@ -73,6 +108,31 @@ class PagedAttentionLayer:
             self.cache = self._rows[:rows].view(num_blocks, block_size, 2, num_kv_heads, head_dim)
         else:
             self.cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device)
+
+    def set_attention_options(self, window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                              device=None) -> None:
+        """The layer's attention options (see ``turboquant.ops.decode``); fixed once the layer has
+        stored K/V through a calibration, whose exact transformations depend on them."""
+        if not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"turboquant: window_left must be -1 (no window) or an int >= 0, got {window_left!r}")
+        if not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+            raise ValueError(f"turboquant: softcap must be a finite number >= 0 (0 = none), got {softcap!r}")
+        if sinks is not None and (not torch.is_tensor(sinks) or sinks.dim() != 1):
+            raise ValueError(f"turboquant: sinks must be a 1-D tensor [num_q_heads] or None, got {sinks!r}")
+        calibration = None
+        if self._recipe is not None:
+            calibration = self._recipe.exact_for(softcap=softcap > 0, sinks=sinks is not None)
+            if self.transform is not None and calibration != self.calibration:
+                raise ValueError("turboquant: a calibrated layer's soft-capping and sinks cannot change after it has "
+                                 "stored K/V (its transformations were fitted for the options it had)")
+        self.calibration = calibration
+        self.window_left, self.softcap = window_left, float(softcap)
+        if sinks is None:
+            self.sinks = self._sinks_source = None
+        elif sinks is not self._sinks_source:  # a model passes the same parameter every step: convert it once
+            target = device if device is not None else sinks.device
+            self.sinks = sinks.detach().to(device=target, dtype=torch.float32).contiguous()
+            self._sinks_source = sinks
 
     def grow(self, num_blocks: int) -> None:
         """Enlarges a packed cache to ``num_blocks`` blocks, keeping the blocks it holds (block ids
@@ -112,38 +172,53 @@ class PagedAttentionLayer:
         k, v = dequantize(self.cache, block_table, seq_lens, self.preset, self.dtype)
         return (k, v) if self.transform is None else self.transform.restore(k, v)
 
-    @staticmethod
-    def _sdpa(q, k, v, scale):
+    @property
+    def _options(self) -> dict:
+        return {"window_left": self.window_left, "softcap": self.softcap, "sinks": self.sinks}
+
+    def _sdpa(self, q, k, v, scale):
         """q [m, Hq, D] attends k, v [n, Hkv, D] (n >= m), causal aligned to the bottom right: query i
-        sees keys < n - m + i + 1. In q's dtype, so the flash kernel takes it on the GPU, and with
-        enable_gqa: flash reads each KV head once for its whole group (no repeat_interleave copy of
-        the context, Hq / Hkv times its size)."""
+        sees keys < n - m + i + 1 (and, with a window, from n - m + i - window_left on). In q's
+        dtype, so the flash kernel takes it on the GPU, and with enable_gqa: flash reads each KV head
+        once for its whole group (no repeat_interleave copy of the context, Hq / Hkv times its size)."""
         m, n = q.shape[0], k.shape[0]
         q4, k4, v4 = (t.transpose(0, 1).to(q.dtype).unsqueeze(0) for t in (q, k, v))
-        mask = causal_lower_right(m, n)
-        try:
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
-        except TypeError:  # torch < 2.5 has no enable_gqa: copy K/V once per query head
-            group = q.shape[1] // k.shape[1]
-            out = F.scaled_dot_product_attention(q4, k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1),
-                                                 attn_mask=mask, scale=scale)
+        if self.window_left < 0 and not self.softcap and self.sinks is None:
+            mask = causal_lower_right(m, n)
+            try:
+                out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
+            except TypeError:  # torch < 2.5 has no enable_gqa: copy K/V once per query head
+                group = q.shape[1] // k.shape[1]
+                out = F.scaled_dot_product_attention(q4, k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1),
+                                                     attn_mask=mask, scale=scale)
+        else:
+            position = torch.arange(n - m, n, device=q.device)[:, None]  # each query row's position
+            key_position = torch.arange(n, device=q.device)[None, :]
+            mask = self._visible(key_position, position)[None, None]
+            out = dense_attention(q4, k4, v4, mask, scale, self.softcap, self.sinks)
         return out[0].transpose(0, 1)
+
+    def _visible(self, key_position, query_position):
+        """Which keys a query at ``query_position`` sees: causal, within the window if there is one."""
+        visible = key_position <= query_position
+        if self.window_left >= 0:
+            visible &= key_position >= query_position - self.window_left
+        return visible
 
     def _decode(self, query, block_table, seq_lens, scale):
         """One new token per sequence, query [B, Hq, D], without host synchronisation."""
         if self.preset is not None:
             if self.transform is None:
-                return decode(query, self.cache, block_table, seq_lens, self.preset, scale)
-            out = decode(self.transform.query(query), self.cache, block_table, seq_lens, self.preset, scale)
+                return decode(query, self.cache, block_table, seq_lens, self.preset, scale, **self._options)
+            out = decode(self.transform.query(query), self.cache, block_table, seq_lens, self.preset, scale,
+                         **self._options)
             return self.transform.output(out, attended=seq_lens > 0)
         k, v = self._dense(block_table, seq_lens)  # [B, N, Hkv, D]
-        group = query.shape[1] // k.shape[2]
-        visible = torch.arange(k.shape[1], device=query.device)[None, :] < seq_lens[:, None]  # [B, N]
-        out = F.scaled_dot_product_attention(
-            query.float().unsqueeze(2), k.transpose(1, 2).float().repeat_interleave(group, 1),
-            v.transpose(1, 2).float().repeat_interleave(group, 1), attn_mask=visible[:, None, None, :], scale=scale)
-        out = torch.where((seq_lens > 0)[:, None, None], out[:, :, 0], 0.0)  # like decode: 0 for empty
-        return out.to(query.dtype)
+        key_position = torch.arange(k.shape[1], device=query.device)[None, :]
+        visible = self._visible(key_position, seq_lens[:, None].long() - 1)  # [B, N]; none where seq_len is 0
+        out = dense_attention(query.float().unsqueeze(2), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                              visible[:, None, None, :], scale, self.softcap, self.sinks)
+        return out[:, :, 0].to(query.dtype)
 
     def forward(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
@@ -187,6 +262,7 @@ class PagedAttentionLayer:
                 chunk_q = self.transform.query(chunk_q)
             chunk_out = decode_varlen(chunk_q, self.cache, meta.block_table.index_select(0, seqs_t).contiguous(),
                                       meta.seq_lens.index_select(0, seqs_t).contiguous(),
-                                      torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale)
+                                      torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale,
+                                      **self._options)
             out[rows_t] = chunk_out if self.transform is None else self.transform.output(chunk_out)
         return out

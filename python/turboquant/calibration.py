@@ -20,7 +20,7 @@ median are left out of the statistics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,6 +56,14 @@ class Calibration:
     @property
     def enabled(self) -> bool:
         return self.center_keys or self.smooth_keys > 0 or self.center_values
+
+    def exact_for(self, softcap: bool, sinks: bool) -> "Calibration":
+        """The transformations of this recipe that stay exact for a layer's attention options: key
+        centering shifts a query's logits by ``q·μ``, which soft-capping (not shift-invariant) and
+        attention sinks (whose logit does not shift) do not allow; value centering needs weights
+        that sum to 1, which sinks take from. Smoothing is exact under every option."""
+        return replace(self, center_keys=self.center_keys and not (softcap or sinks),
+                       center_values=self.center_values and not sinks)
 
 
 def as_calibration(calibrate) -> Calibration | None:

@@ -16,9 +16,12 @@ only in the packed paged cache and runs attention with the serving semantics of
   ``decode_varlen`` up to ``varlen_threshold`` tokens, else SDPA over the dequantized prefix and
   the chunk's own raw K/V.
 
-Boundary layers (the first and last ``boundary_skip_layers``) and layers whose attention the ops
-do not serve yet (sliding windows, logit soft-capping, attention sinks, an unsupported head_dim)
-keep transformers' own plain cache and SDPA; the latter are named once in a warning. Padding
+Sliding-window layers (Mistral, Gemma 2/3, gpt-oss), logit soft-capping (Gemma 2) and attention
+sinks (gpt-oss) are served by the ops' attention options: a windowed decode reads only its
+window's blocks (the packed cache still holds every token of the sequence). Boundary layers (the
+first and last ``boundary_skip_layers``) and layers the ops do not serve (chunked attention, an
+unsupported head_dim) keep transformers' own plain cache and SDPA; the latter are named once in a
+warning. Padding
 tokens (a left-padded batch) never enter the packed cache: each sequence holds only its own
 tokens, so a batch attends exactly as each prompt alone would. The packed cache grows in blocks
 as generation proceeds.
@@ -45,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - only without transformers
         f"turboquant.hf needs Hugging Face transformers 5.x ({exc}); install it with `pip install 'transformers>=5.25'`"
     ) from exc
 
-from .attention import PagedAttentionLayer, StepMetadata
+from .attention import PagedAttentionLayer, StepMetadata, dense_attention
 from .calibration import Calibration, as_calibration
 from .cache import SUPPORTED_BLOCK_SIZES, boundary_skip_layers as _boundary_layers
 from .presets import PRESETS, slot_layout
@@ -66,16 +69,39 @@ def turboquant_attention(module, query, key, value, attention_mask, dropout: flo
     :class:`TurboQuantCache` that it quantizes, transformers' SDPA for every other layer."""
     layer = getattr(key, "_turboquant_layer", None)
     if layer is None:
+        return _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if dropout and module.training:
+        raise ValueError("turboquant: attention dropout is not supported on a packed cache (an inference cache)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # transformers' sliding_window W: a query sees its W most recent positions, itself included.
+    window = kwargs.get("sliding_window")
+    layer.attention.set_attention_options(window_left=int(window) - 1 if window else -1,
+                                          softcap=float(kwargs.get("softcap") or 0.0), sinks=kwargs.get("s_aux"))
+    return layer.attend(query, attention_mask, float(scale)), None
+
+
+
+def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """A layer that keeps a plain cache: transformers' SDPA, or, where the model soft-caps its
+    logits or has attention sinks (which SDPA does not implement), eager attention in fp32 with the
+    same definitions as the ops (``turboquant.attention.dense_attention``)."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if not softcap and sinks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout and module.training:
-        raise ValueError("turboquant: attention dropout is not supported on a packed cache (an inference cache)")
-    for option in ("softcap", "sliding_window", "s_aux"):
-        if kwargs.get(option) is not None:  # TurboQuantCache keeps such layers plain; this guards a mismatch
-            raise ValueError(f"turboquant: layer {layer.layer_idx} was given {option}={kwargs[option]!r}, which the "
-                             "packed cache does not serve; it should have been kept unquantized")
+        raise ValueError("turboquant: attention dropout is not supported with soft-capping or sinks")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:  # no padding: causal, the last query row at the last key
+        rows = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        mask = (torch.arange(kv_len, device=query.device)[None, :] <= rows)[None, None]
+    elif attention_mask.dtype == torch.bool:
+        mask = attention_mask[..., :kv_len]
+    else:  # additive: 0 where attended
+        mask = attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return layer.attend(query, attention_mask, float(scale)), None
+    out = dense_attention(query, key, value, mask, float(scale), float(softcap or 0.0), sinks)
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, turboquant_attention)
@@ -85,17 +111,20 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 # ---- which tokens of each sequence the packed cache holds -------------------------------------
-def _new_token_mask(attention_mask, batch: int, past: int, q_len: int) -> torch.Tensor:
+def _new_token_mask(attention_mask, batch: int, q_len: int) -> torch.Tensor:
     """``[batch, q_len]`` bool on the CPU: which of the step's tokens are real (not padding).
 
     ``attention_mask`` is the 4D mask of the step (or None: no padding). Padding keys are masked
-    for every query, and the last query row sees every earlier key, so that row's entries for the
-    step's own positions say which of them are tokens. Bool masks attend where True, float masks
-    where 0.
+    for every query, and a real token's query sees its own key under every mask (causal or
+    windowed), so the diagonal of the step's own positions says which of them are tokens. Its last
+    columns are the step's positions whether the mask spans the whole context or, for windowed
+    layers, only the window (a sliding mask sized by a plain sliding layer). Bool masks attend where
+    True, float masks where 0.
     """
     if attention_mask is None:
         return torch.ones(batch, q_len, dtype=torch.bool)
-    row = attention_mask[:, 0, -1, past:past + q_len]
+    own = torch.arange(q_len, device=attention_mask.device)
+    row = attention_mask[:, 0, attention_mask.shape[2] - q_len + own, attention_mask.shape[3] - q_len + own]
     if row.dtype != torch.bool:
         row = row > torch.finfo(row.dtype).min / 2
     return row.expand(batch, q_len).cpu()
@@ -147,7 +176,7 @@ class _PagedSequences:
         if self.real.shape[1] != past:
             raise RuntimeError(f"turboquant: internal error, the cache has {self.real.shape[1]} positions, the step "
                                f"starts at {past}")
-        real = _new_token_mask(attention_mask, batch, past, q_len)
+        real = _new_token_mask(attention_mask, batch, q_len)
         self.real = torch.cat([self.real, real], dim=1)
         counts, real = real.sum(1).tolist(), real.tolist()
         bs = self.block_size
@@ -323,12 +352,8 @@ class TurboQuantLayer(CacheLayerMixin):
 
 
 def _unsupported_reason(config, layer_type: str, head_dim: int, preset: str) -> str | None:
-    if layer_type != "full_attention":
-        return f"{layer_type} (windowed or chunked attention)"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "logit soft-capping"
-    if getattr(config, "model_type", "") in ("gpt_oss",):
-        return "attention sinks"
+    if layer_type not in ("full_attention", "sliding_attention"):
+        return f"{layer_type} layers"
     try:
         slot_layout(preset, head_dim)
     except ValueError:

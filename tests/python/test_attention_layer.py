@@ -9,7 +9,7 @@ import turboquant as tq
 from turboquant.attention import PagedAttentionLayer, StepMetadata
 from turboquant.calibration import Calibration
 from conftest import requires_cuda
-from reference import rel_err
+from reference import attention_options_reference, rel_err
 
 
 def _step_meta(block_table, prev_lens, new_lens, num_decodes, block_size):
@@ -79,6 +79,57 @@ def test_mixed_batch_matches_attention_over_the_cache(preset, calibration):
             sc = torch.einsum("hd,thd->ht", q[s + i].double(), kk) * 0.125
             ref = torch.einsum("ht,thd->hd", sc.softmax(-1), vv)
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)
+
+
+LAYER_OPTIONS = {
+    "window": {"window_left": 7},
+    "softcap": {"softcap": 1.0},
+    "sinks": {"sinks": torch.linspace(-2.0, 3.0, 8)},
+    "combined": {"window_left": 7, "softcap": 1.5, "sinks": torch.linspace(-2.0, 3.0, 8)},
+}
+
+
+@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
+@pytest.mark.parametrize("preset,calibration", [(None, None)] + [(p, None) for p in tq.PRESETS]
+                         + [("turboquant_4bit_nc", CALIBRATED)])
+def test_mixed_batch_with_attention_options_matches_float64(option, preset, calibration):
+    """Every path of a step (first chunks on raw K/V, decodes, a short continuation through
+    decode_varlen, a long one over the dequantized prefix, the plain cache) applies the window,
+    the soft-cap and the sinks; calibrated, only the transformations that stay exact are fitted."""
+    torch.manual_seed(0)
+    bs, hkv, hq, d, scale = 16, 2, 8, 64, 0.125
+    options = LAYER_OPTIONS[option]
+    layer = PagedAttentionLayer(32, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8,
+                                calibration=calibration, **options)
+    block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
+    key_offset = 3 * torch.randn(hkv, d)
+    raw = []
+    for prev, new, decodes in (([0, 0, 0, 0], [20, 9, 40, 30], 0), ([20, 9, 40, 30], [1, 1, 5, 12], 2)):
+        meta = _step_meta(block_table, prev, new, decodes, bs)
+        t = sum(new)
+        q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d) * 2 + key_offset, torch.randn(t, hkv, d)
+        out = layer.forward(q, k, v, meta, scale)
+        raw.append((meta, q, k, v, out))
+    if calibration is not None:  # key centering is inexact under soft-capping and sinks: not fitted there
+        centered = layer.transform.key_offset is not None
+        assert centered == ("softcap" not in options and "sinks" not in options)
+    if preset is None:
+        keys = layer.cache[block_table.long()].flatten(1, 2)[:, :, 0]
+        values = layer.cache[block_table.long()].flatten(1, 2)[:, :, 1]
+    else:
+        keys, values = tq.dequantize(layer.cache, block_table, raw[-1][0].seq_lens, preset, torch.float32)
+        if layer.transform is not None:
+            keys, values = layer.transform.restore(keys, values)
+    for step, (meta, q, k, v, out) in enumerate(raw):
+        starts = meta.query_start_loc.tolist()
+        for b in range(4):
+            s, e = starts[b], starts[b + 1]
+            n = int(meta.seq_lens[b])
+            kb, vb = keys[b, :n].double().clone(), values[b, :n].double().clone()
+            if step == 0 or e - s > 8:  # first chunks and long continuations attend to their own raw K/V
+                kb[n - (e - s):], vb[n - (e - s):] = k[s:e].double(), v[s:e].double()
+            ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], scale, **options)
+            assert rel_err(out[s:e], ref) < 1e-5, (step, b)
 
 
 def _pure_decode_setup(preset, device, dtype=torch.float32, calibration=None):

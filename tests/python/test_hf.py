@@ -23,6 +23,9 @@ import turboquant.hf as tqhf  # noqa: E402
 from turboquant.calibration import Calibration  # noqa: E402
 from turboquant.roundtrip import packed  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers.models.gemma2 import Gemma2Config  # noqa: E402
+from transformers.models.gemma3 import Gemma3TextConfig  # noqa: E402
+from transformers.models.gpt_oss import GptOssConfig  # noqa: E402
 from transformers.models.mistral import MistralConfig  # noqa: E402
 from transformers.models.qwen2 import Qwen2Config  # noqa: E402
 
@@ -121,31 +124,13 @@ def test_boundary_layers_stay_plain():
     assert tqhf.TurboQuantCache(config, boundary_skip_layers=3).quantized_layers == [2, 3, 4, 5]  # capped at half
 
 
-def test_sliding_window_layers_stay_plain_with_one_warning():
-    config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
-                           attn_implementation="turboquant")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cache = tqhf.TurboQuantCache(config, boundary_skip_layers=0)
-    messages = [str(w.message) for w in caught if "turboquant" in str(w.message)]
-    assert len(messages) == 1 and "sliding_attention" in messages[0] and "[0, 1, 2, 3]" in messages[0]
-    assert cache.quantized_layers == []
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.randint(0, 256, (1, 40))
-    plain = _generate(model, ids, steps=8)
-    ours = _generate(model, ids, cache=tqhf.TurboQuantCache(config, boundary_skip_layers=0), steps=8)
-    assert torch.equal(plain.sequences, ours.sequences)  # plain layers: transformers' own path
-
-
 # ---- the decode step against a reference over the dequantized cache ---------------------------
 def _round_trip(preset, transform=None):
     """K/V ``[B, H, T, D]`` -> what a packed cache of ``preset`` decodes them to (stored in the
     basis of a calibrated layer's ``transform``, read back in the original one)."""
     def round_trip(key, value):
         batch, heads, tokens, dim = key.shape
-        flat = [t.transpose(1, 2).reshape(batch * tokens, heads, dim) for t in (key, value)]
+        flat = [t.transpose(1, 2).reshape(batch * tokens, heads, dim).contiguous() for t in (key, value)]
         if transform is None:
             k, v = packed(preset, *flat)
         else:
@@ -366,6 +351,134 @@ def test_qwen2_and_mistral_decode_steps_match_the_reference(config_cls, device, 
         theirs = model(nxt, **_cache(ref), use_cache=True).logits[0, -1].double()
     budget = 1e-4 if dtype == torch.float32 else 2e-2  # half precision: both sides round their own way
     assert ((ours - theirs).norm() / theirs.norm()).item() < budget
+
+
+# ---- model kinds whose attention has options: windows, soft-capping, sinks -----------------------
+WINDOW = 16  # transformers' sliding_window: a query sees its 16 most recent positions
+
+
+def _tiny_with_options(kind: str):
+    """A small random model of each kind of attention the ops' options serve (in transformers' own
+    terms), with weights that make each option matter on 40 tokens."""
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512, attn_implementation="turboquant")
+    torch.manual_seed(0)
+    if kind == "mistral_window":  # every layer windowed
+        config = MistralConfig(sliding_window=WINDOW, **common)
+    elif kind == "gemma2_softcap_window":  # sliding and full layers alternate, every logit soft-capped
+        config = Gemma2Config(sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=64, **common)
+    elif kind == "gemma3_window":  # q/k norms, sliding layers with one full layer in six
+        config = Gemma3TextConfig(sliding_window=WINDOW, query_pre_attn_scalar=64, **common)
+    else:  # gpt-oss: sinks in every layer, sliding and full layers alternate
+        config = GptOssConfig(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, **common)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.weight.data *= 4
+        if hasattr(layer.self_attn, "sinks"):
+            layer.self_attn.sinks.data = torch.randn(config.num_attention_heads) * 2
+    return model
+
+
+OPTION_KINDS = ["mistral_window", "gemma2_softcap_window", "gemma3_window", "gpt_oss_sinks_window"]
+
+
+@pytest.mark.parametrize("kind", OPTION_KINDS)
+@pytest.mark.parametrize("preset,device,dtype", [
+    ("turboquant_4bit_nc", "cpu", torch.float32), ("turboquant_k3v4_nc", "cpu", torch.float32),
+    pytest.param("turboquant_4bit_nc", "cuda", torch.bfloat16, marks=requires_cuda)])
+def test_windowed_softcapped_and_sink_layers_are_quantized_and_match_eager_attention(kind, preset, device, dtype):
+    """Every layer packed; a decode step past the window (40 tokens, window 16) against transformers'
+    own eager attention (the implementation these models define softcap and sinks in) over what the
+    packed cache decodes to."""
+    model = _tiny_with_options(kind).to(device, dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = tqhf.TurboQuantCache(model.config, preset=preset, boundary_skip_layers=0)
+    assert cache.quantized_layers == [0, 1, 2, 3] and not [w for w in caught if "turboquant" in str(w.message)]
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1)).to(device)
+    nxt = torch.tensor([[7]], device=device)
+    with torch.no_grad():
+        model(ids, **_cache(cache), use_cache=True)
+        ref = _reference_cache(model, cache)
+        ours = model(nxt, **_cache(cache), use_cache=True).logits[0, -1].double()
+        model.set_attn_implementation("eager")
+        try:
+            theirs = model(nxt, **_cache(ref), use_cache=True).logits[0, -1].double()
+            unwindowed = _unwindowed_logits(model, ref)
+        finally:
+            model.set_attn_implementation("turboquant")
+    budget = 1e-4 if dtype == torch.float32 else 2e-2  # half precision: both sides round their own way
+    assert ((ours - theirs).norm() / theirs.norm()).item() < budget
+    assert ((ours - unwindowed).norm() / unwindowed.norm()).item() > 1e-3  # the options mattered
+
+
+def _unwindowed_logits(model, ref):
+    """The same step with the window, the soft-cap and the sinks turned off (patched on the model,
+    then restored): what ignoring them would give."""
+    text, attns = model.config, [layer.self_attn for layer in model.model.layers]
+    saved = (text.sliding_window, [(getattr(a, "sliding_window", None), getattr(a, "attn_logit_softcapping", None),
+                                    a.sinks.data.clone() if hasattr(a, "sinks") else None) for a in attns])
+    try:
+        text.sliding_window = 10 ** 6
+        for attn in attns:
+            attn.sliding_window = None
+            attn.attn_logit_softcapping = None
+            if hasattr(attn, "sinks"):
+                attn.sinks.data.fill_(-1e4)
+        copy = DynamicCache()
+        for i, layer in enumerate(ref.layers):
+            copy.update(layer.keys[:, :, :-1], layer.values[:, :, :-1], i)  # before the step ref just took
+        return model(torch.tensor([[7]], device=model.device), **_cache(copy), use_cache=True).logits[0, -1].double()
+    finally:
+        text.sliding_window = saved[0]
+        for attn, (window, softcap, sinks) in zip(attns, saved[1]):
+            attn.sliding_window, attn.attn_logit_softcapping = window, softcap
+            if sinks is not None:
+                attn.sinks.data.copy_(sinks)
+
+
+def _round_tripping_cache(model, quantized: list[int], preset: str) -> DynamicCache:
+    """transformers' own cache for the model's layer types (sliding layers included) whose layers in
+    ``quantized`` store what a packed cache of ``preset`` decodes K/V to; their first update (a
+    first prefill chunk) still attends to the raw K/V, as the packed layers do."""
+    ref = DynamicCache(config=model.config)
+    for i in quantized:
+        layer, plain_update, round_trip = ref.layers[i], ref.layers[i].update, _round_trip(preset)
+        first = [True]
+
+        def update(k, v, *a, _up=plain_update, _rt=round_trip, _first=first, **kw):
+            stored = _up(*_rt(k, v), *a, **kw)
+            if _first[0]:
+                _first[0] = False
+                return k, v
+            return stored
+        layer.update = update
+    return ref
+
+
+@pytest.mark.parametrize("kind", OPTION_KINDS)
+def test_option_models_with_plain_boundary_layers_match_eager_attention_step_by_step(kind):
+    """Boundary layers plain (transformers' sliding-window cache for windowed ones, whose window-sized
+    masks the packed layers then receive; soft-capping and sinks through the eager fallback), the
+    others packed: a prefill and 6 decode steps with fixed tokens against eager attention over a
+    cache that round-trips the packed layers' K/V."""
+    model = _tiny_with_options(kind)
+    ids = torch.randint(0, 256, (1, 47), generator=torch.Generator().manual_seed(2))
+    preset = "turboquant_4bit_nc"
+    cache = tqhf.TurboQuantCache(model.config, preset=preset, boundary_skip_layers=1)
+    assert cache.quantized_layers == [1, 2]
+    ref = _round_tripping_cache(model, cache.quantized_layers, preset)
+    with torch.no_grad():
+        ours = [model(ids[:, :41], **_cache(cache), use_cache=True).logits[0, -1]]
+        ours += [model(ids[:, t:t + 1], **_cache(cache), use_cache=True).logits[0, -1] for t in range(41, 47)]
+        model.set_attn_implementation("eager")
+        try:
+            theirs = [model(ids[:, :41], **_cache(ref), use_cache=True).logits[0, -1]]
+            theirs += [model(ids[:, t:t + 1], **_cache(ref), use_cache=True).logits[0, -1] for t in range(41, 47)]
+        finally:
+            model.set_attn_implementation("turboquant")
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-4, step
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
