@@ -13,6 +13,7 @@
 
 #include "op_checks.h"
 #include "turboquant/attention_options.h"
+#include "turboquant/hadamard_transform.h"
 #include "turboquant/lloyd_max.h"
 #include "turboquant/query_chunks.h"
 #include "turboquant/slot_codec.h"
@@ -138,7 +139,7 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
         const float* src = qp + (b * a.num_q_heads + kvh * group + g) * d;
         std::copy(src, src + d, qr[g].begin());
         if (rotated) {  // q . k~ = norm * (R q) . c~ : rotate q once, never the keys
-          fwht_inplace(qr[g].data(), d);
+          hadamard_transform_inplace(qr[g].data(), d);
           for (float& x : qr[g]) x *= rsqrt_d;
         }
       }

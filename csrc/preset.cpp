@@ -3,6 +3,8 @@
 
 #include <stdexcept>
 
+#include "turboquant/hadamard_transform.h"
+
 namespace turboquant {
 
 const std::vector<Preset>& all_presets() {
@@ -29,11 +31,12 @@ void check_head_dim(const Preset& preset, int head_dim) {
     throw std::invalid_argument("turboquant: head_dim must be a multiple of 8 in [8, " + std::to_string(kMaxHeadDim) +
                                 "], got " + std::to_string(head_dim));
   }
-  if (preset.key_format == KeyFormat::kLloydMax && (head_dim & (head_dim - 1)) != 0) {
+  if (preset.key_format == KeyFormat::kLloydMax && hadamard_paley_order(head_dim) == 0) {
     throw std::invalid_argument(
-        "turboquant: preset " + preset.name + " rotates keys with a Sylvester Hadamard matrix, " +
-        "which exists only for power-of-two head_dim; got head_dim " + std::to_string(head_dim) +
-        " (supported: 64, 128, 256, ...; turboquant_k8v4 accepts any multiple of 8)");
+        "turboquant: preset " + preset.name + " rotates keys with a Hadamard matrix of order head_dim = m * 2^k, " +
+        "m in {1, 12, 20, 28} (a power of two times 1, 3, 5 or 7); got head_dim " + std::to_string(head_dim) +
+        " (supported up to 256: 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256; "
+        "turboquant_k8v4 accepts any multiple of 8)");
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "turboquant/hadamard_transform.h"
 #include "turboquant/numeric.h"
 #include "turboquant/packing.h"
 
@@ -20,7 +21,7 @@ void encode_slot(const float* key, const float* value, const SlotLayout& layout,
     const float denom = norm + kKeyNormEpsilon;
     std::vector<float> y(d);
     for (int i = 0; i < d; ++i) y[i] = key[i] / denom;
-    fwht_inplace(y.data(), d);
+    hadamard_transform_inplace(y.data(), d);
     const float rsqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
     std::vector<float> c(d);
     for (int i = 0; i < d; ++i) {
@@ -62,7 +63,7 @@ void decode_key(const uint8_t* slot, const SlotLayout& layout, const Codebook* c
   decode_key_rotated(slot, layout, codebook, out);
   if (layout.key_format == KeyFormat::kFp8) return;
   const int d = layout.head_dim;
-  fwht_inplace(out, d);
+  hadamard_transform_inplace(out, d);  // symmetric: its own inverse
   const float rsqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
   for (int i = 0; i < d; ++i) out[i] *= rsqrt_d;
 }

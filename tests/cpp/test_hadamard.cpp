@@ -6,14 +6,42 @@
 #include <vector>
 
 #include "turboquant/hadamard.h"
+#include "turboquant/hadamard_transform.h"
 #include "turboquant/lloyd_max.h"
 #include "turboquant/preset.h"
 #include "turboquant/slot_codec.h"
 
 using namespace turboquant;
 
+TEST(Hadamard, PaleyFactorsAreSymmetricHadamardMatrices) {
+  for (int m : {12, 20, 28}) {
+    auto entry = [&](int r, int c) { return ((paley_row(m, r) >> c) & 1u) ? -1 : 1; };
+    for (int r = 0; r < m; ++r) {
+      ASSERT_EQ(paley_row(m, r) >> m, 0u);  // no bits past the order
+      for (int s = 0; s < m; ++s) {
+        ASSERT_EQ(entry(r, s), entry(s, r));
+        int dot = 0;
+        for (int c = 0; c < m; ++c) dot += entry(r, c) * entry(s, c);
+        ASSERT_EQ(dot, r == s ? m : 0) << m << " " << r << " " << s;
+      }
+    }
+  }
+}
+
+TEST(Hadamard, OrdersAreAPowerOfTwoTimesOneOfTheFactors) {
+  EXPECT_EQ(hadamard_paley_order(64), 1);
+  EXPECT_EQ(hadamard_paley_order(96), 12);
+  EXPECT_EQ(hadamard_paley_order(24), 12);
+  EXPECT_EQ(hadamard_paley_order(80), 20);
+  EXPECT_EQ(hadamard_paley_order(160), 20);
+  EXPECT_EQ(hadamard_paley_order(112), 28);
+  EXPECT_EQ(hadamard_paley_order(224), 28);
+  EXPECT_EQ(hadamard_paley_order(12), 12);
+  for (int d : {0, 6, 9, 10, 14, 72, 120, 144, 200}) EXPECT_EQ(hadamard_paley_order(d), 0) << d;
+}
+
 TEST(Hadamard, OrthonormalAndSymmetric) {
-  for (int d : {8, 64, 128, 256}) {
+  for (int d : {8, 24, 40, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256}) {
     const std::vector<float>& h = orthonormal_hadamard(d);
     for (int i = 0; i < d; ++i) {
       for (int j = 0; j < d; ++j) {
@@ -24,17 +52,17 @@ TEST(Hadamard, OrthonormalAndSymmetric) {
       }
     }
   }
-  EXPECT_THROW(orthonormal_hadamard(96), std::invalid_argument);
+  EXPECT_THROW(orthonormal_hadamard(72), std::invalid_argument);
 }
 
-TEST(Hadamard, FwhtEqualsMatrixProduct) {
+TEST(Hadamard, TransformEqualsMatrixProduct) {
   std::mt19937 rng(1);
   std::normal_distribution<float> n;
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 80, 96, 112, 128, 160, 192, 256}) {
     std::vector<float> x(d), y(d);
     for (auto& v : x) v = n(rng);
     y = x;
-    fwht_inplace(y.data(), d);
+    hadamard_transform_inplace(y.data(), d);
     const std::vector<float>& h = orthonormal_hadamard(d);
     for (int i = 0; i < d; ++i) {
       double ref = 0;

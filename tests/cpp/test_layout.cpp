@@ -59,12 +59,12 @@ TEST(Preset, UnknownNameListsValidOnes) {
 }
 
 TEST(Preset, HeadDimRules) {
-  EXPECT_THROW(slot_layout(parse_preset("turboquant_4bit_nc"), 96), std::invalid_argument);
-  EXPECT_THROW(slot_layout(parse_preset("turboquant_4bit_nc"), 80), std::invalid_argument);
+  EXPECT_THROW(slot_layout(parse_preset("turboquant_4bit_nc"), 72), std::invalid_argument);  // odd part 9
+  EXPECT_THROW(slot_layout(parse_preset("turboquant_4bit_nc"), 120), std::invalid_argument);  // odd part 15
   EXPECT_THROW(slot_layout(parse_preset("turboquant_k8v4"), 100), std::invalid_argument);
-  EXPECT_NO_THROW(slot_layout(parse_preset("turboquant_k8v4"), 96));
+  EXPECT_NO_THROW(slot_layout(parse_preset("turboquant_k8v4"), 72));
   EXPECT_NO_THROW(slot_layout(parse_preset("turboquant_k8v4"), 80));
-  for (int d : {64, 128, 256}) EXPECT_NO_THROW(slot_layout(parse_preset("turboquant_3bit_nc"), d));
+  for (int d : {64, 80, 96, 112, 128, 160, 192, 256}) EXPECT_NO_THROW(slot_layout(parse_preset("turboquant_3bit_nc"), d));
 }
 
 TEST(Packing, FourBitByteRule) {

@@ -11,13 +11,57 @@ import torch
 import turboquant as tq
 
 
-def hadamard_matrix(d: int) -> torch.Tensor:
+def sylvester_matrix(d: int) -> torch.Tensor:
+    """+-1 entries (-1)^popcount(i & j); d a power of two."""
     i = torch.arange(d)
     bits = (i[:, None] & i[None, :]).to(torch.int64)
     popcount = torch.zeros_like(bits)
     for b in range(int(math.log2(d)) + 1):
         popcount += (bits >> b) & 1
-    return (1.0 - 2.0 * (popcount % 2)).to(torch.float64) / math.sqrt(d)
+    return (1.0 - 2.0 * (popcount % 2)).to(torch.float64)
+
+
+def _gf(q: int):
+    """GF(q) for q = 5, 13 (integers mod q) and 9 (GF(3)[i], i^2 = -1, element a + 3b <-> a + b i):
+    (subtract, multiply) on element indices."""
+    if q in (5, 13):
+        return (lambda x, y: (x - y) % q), (lambda x, y: (x * y) % q)
+
+    def sub(x, y):
+        return (x % 3 - y % 3) % 3 + 3 * ((x // 3 - y // 3) % 3)
+
+    def mul(x, y):
+        a, b, c, e = x % 3, x // 3, y % 3, y // 3
+        return (a * c - b * e) % 3 + 3 * ((a * e + b * c) % 3)
+    return sub, mul
+
+
+def paley_matrix(m: int) -> torch.Tensor:
+    """Paley's second construction of a symmetric Hadamard matrix of order m = 2(q + 1), built from
+    its definition: the conference matrix C of GF(q)'s quadratic character, then
+    C (x) [[1, -1], [-1, -1]] + I (x) [[1, 1], [1, -1]]."""
+    q = m // 2 - 1
+    sub, mul = _gf(q)
+    squares = {mul(y, y) for y in range(1, q)}
+    chi = [0] + [1 if x in squares else -1 for x in range(1, q)]
+    conference = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    conference[0, 1:] = conference[1:, 0] = 1
+    for i in range(q):
+        for j in range(q):
+            conference[i + 1, j + 1] = chi[sub(i, j)]
+    off = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    diag = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    return torch.kron(conference, off) + torch.kron(torch.eye(q + 1, dtype=torch.float64), diag)
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """The orthonormal key rotation H_m (x) H_{2^k} / sqrt(d), m the factor 1, 12, 20 or 28 of d."""
+    odd = d
+    while odd % 2 == 0:
+        odd //= 2
+    m = {1: 1, 3: 12, 5: 20, 7: 28}[odd]
+    factor = torch.ones(1, 1, dtype=torch.float64) if m == 1 else paley_matrix(m)
+    return torch.kron(factor, sylvester_matrix(d // m)) / math.sqrt(d)
 
 
 def pack_bits(idx: list[int], bits: int) -> bytes:

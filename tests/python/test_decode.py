@@ -15,7 +15,7 @@ SEQ_LENS = [37, 0, 1, 200, 16]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 160, 192, 256])
 def test_dequantize_matches_reference_decoding(preset, head_dim):
     block_size, heads = 16, 2
     cache, bt, sl, _, _ = make_paged_batch([5, 0, 19], block_size, heads, head_dim, preset)
@@ -50,7 +50,7 @@ def test_decode_equals_float64_attention(preset, group, num_splits):
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_major", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 160, 192, 256])
 def test_decode_block_sizes_layouts_head_dims(block_size, head_major, head_dim):
     preset = "turboquant_k3v4_nc"
     cache, bt, sl, _, _ = make_paged_batch([130, 3, 64], block_size, 2, head_dim, preset, head_major=head_major)

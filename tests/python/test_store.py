@@ -8,7 +8,7 @@ from helpers import compare_slot, slot_bytes
 from reference import hadamard_matrix, unpack_bits
 
 PRESETS = list(tq.PRESETS)
-HEAD_DIMS = [64, 128, 256]
+HEAD_DIMS = [64, 80, 96, 112, 128, 160, 192, 256]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
