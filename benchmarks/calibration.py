@@ -101,11 +101,14 @@ def head_errors(name: str) -> dict[str, torch.Tensor]:
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     scale = qkv[0][0].shape[-1] ** -0.5
     out: dict[str, list[torch.Tensor]] = {}
+    layer_types = getattr(cfg, "layer_types", None)
     for layer in range(2, len(qkv) - 2):  # the boundary layers stay plain
         q, k, v = (t.double() for t in qkv[layer])  # [H, T, D]
         tokens = k.shape[1]
         queries = q[:, -256:].unflatten(0, (k.shape[0], group))  # [Hkv, group, 256, D]
         visible = torch.ones(256, tokens, dtype=torch.bool).tril(tokens - 256)
+        if layer_types is not None and layer_types[layer] == "sliding_attention":  # a query sees its W latest
+            visible &= torch.ones(256, tokens, dtype=torch.bool).triu(tokens - 256 - cfg.sliding_window + 1)
 
         def attend(keys, values):
             logits = torch.einsum("hgtd,hnd->hgtn", queries, keys) * scale

