@@ -44,9 +44,10 @@ from speed import replace_section  # noqa: E402
 
 RECIPES = {
     "none": None,
-    "keys centered": Calibration(min_offset=0.0),
-    "+ keys smoothed": Calibration(smooth_keys=0.5, min_offset=0.0),
-    "keys centered where offset >= 0.85 rms": Calibration(),
+    "keys centered": Calibration(smooth_keys=0.0, measure=False),
+    "+ keys smoothed": Calibration(smooth_keys=0.5, measure=False),
+    "keys centered where offset >= 0.85 rms": Calibration(smooth_keys=0.0, min_offset=0.85, measure=False),
+    "measured per head (calibrate=True)": Calibration(),
 }
 
 
@@ -117,7 +118,7 @@ def head_errors(name: str) -> dict[str, torch.Tensor]:
         ref_p, _ = attend(k, v)
         ref = torch.einsum("hgtn,hnd->hgtd", ref_p, v)
         token_major = [t.transpose(0, 1).float().contiguous() for t in (k, v)]  # the ops store fp32
-        centered = fit(*(t[:256] for t in token_major), [0, 256], Calibration(min_offset=0.0))
+        centered = fit(*(t[:256] for t in token_major), [0, 256], Calibration(smooth_keys=0.0, measure=False))
         for preset in HEAD_PRESETS:
             for label, transform in (("none", KVTransform()), ("centered", centered)):
                 kq, vq = transform.restore(*packed(preset, *(transform.keys(token_major[0]),
@@ -213,9 +214,10 @@ def main() -> None:
         f"{datetime.date.today()}, CPU, commit {commit}, `python benchmarks/calibration.py --windows {a.windows}`. "
         f"Perplexity against the plain cache, {a.windows} windows of 2,048 tokens; columns are cumulative recipes "
         "(`turboquant.calibration.Calibration`): keys centered in every head (`min_offset=0`), then "
-        "key smoothing `s = σ^0.5` (`smooth_keys=0.5`); the last column "
-        "centers only the heads whose mean key is at least 0.85 of their rms key norm (`Calibration()`, what "
-        "`calibrate=True` gives). Same bytes "
+        "key smoothing `s = σ^0.5` (`smooth_keys=0.5`); then centering only the heads whose mean key is at least "
+        "0.85 of their rms key norm (`min_offset=0.85`); the last column chooses per head, of none, centered and "
+        "centered + smoothed, what gives the first chunk's own queries the smallest attention error "
+        "(`Calibration()`, what `calibrate=True` gives). Same bytes "
         "per token in every column; docs/QUALITY.md says why each helps or hurts.", "", *sections]).rstrip()
     replace_section(a.out, "calibration", body, "benchmarks/calibration.py")
     print(f"wrote {a.out}")

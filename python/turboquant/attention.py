@@ -149,8 +149,9 @@ class PagedAttentionLayer:
         self.cache = grown
 
     # ---- cache access
-    def _store(self, key, value, slot_mapping, query_start_loc: list[int]):
-        """``query_start_loc``: where each sequence's new tokens start in ``key`` (host ints)."""
+    def _store(self, key, value, slot_mapping, query_start_loc: list[int], query=None):
+        """``query_start_loc``: where each sequence's new tokens start in ``key`` (host ints);
+        ``query``: the step's queries, which a measuring calibration chooses its transformations by."""
         if self.preset is None:
             spare = self._rows.shape[0] - 1
             slots = slot_mapping.long()
@@ -158,7 +159,7 @@ class PagedAttentionLayer:
             self._rows.index_copy_(0, rows, torch.stack([key, value], dim=1).to(self.dtype))
         else:
             if self.calibration is not None and self.transform is None:
-                self.transform = fit(key, value, query_start_loc, self.calibration)
+                self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset)
             if self.transform is not None:
                 key, value = self.transform.keys(key), self.transform.values(value)
             store_kv(key, value, self.cache, slot_mapping, self.preset)
@@ -227,7 +228,7 @@ class PagedAttentionLayer:
             self._store(key, value, meta.slot_mapping, [])  # positions unknown: no sink skipping
             return self._decode(query, meta.block_table, meta.seq_lens, scale)
         starts = meta.query_start_loc.tolist()
-        self._store(key, value, meta.slot_mapping, starts)
+        self._store(key, value, meta.slot_mapping, starts, query)
         out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
         lens = meta.seq_lens.tolist()
         # Short continuation chunks the packed cache serves in one decode_varlen launch, rows

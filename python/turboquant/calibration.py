@@ -29,20 +29,28 @@ import torch
 class Calibration:
     """Which transformations to fit. ``smooth_keys`` is the exponent ``α`` of ``s = σ^α`` (σ each
     channel's key standard deviation after centering, ``s`` normalized to geometric mean 1); 0 turns
-    smoothing off. ``min_offset``: center only the heads whose mean key is at least this fraction of
-    their rms key norm (0: every head). The default, 0.85, is the measured trade-off of
-    benchmarks/calibration.py: on SmolLM2 centering every head cost k3v4_nc +3.8 % serving
-    perplexity against +0.5 % plain, 0.85 cost +0.9 %, while on Qwen2.5 it kept most of the gain
-    (4bit_nc +2.6 % plain, +1.1 % every head, +0.2 % at 0.85; tables in RESULTS.md).
-    ``min_tokens``: a first chunk with fewer usable tokens fits nothing (identity)."""
+    smoothing off. ``measure`` (the default): each KV head keeps, of no change, keys centered, and
+    keys centered and smoothed, the one whose packed keys give the first chunk's own queries the
+    smallest attention-output error (causal, over at most ``measure_tokens`` tokens of its longest
+    sequence; ``fit``). Where no queries are at hand (a cache loaded from another), or with
+    ``measure=False``, ``min_offset`` decides instead: center only the heads whose mean key is at
+    least this fraction of their rms key norm (0: every head). The defaults are what measured best
+    across three model families (benchmarks/calibration.py, RESULTS.md): serving perplexity of
+    4bit_nc / k3v4_nc against the plain cache went from +3.1 / +20.1 % to +0.3 / +1.0 % on Gemma 3
+    270M and from +2.6 / +4.9 % to -1.0 / +0.4 % on Qwen2.5-0.5B; on SmolLM2-135M, whose serving
+    loss is small without it, from -0.1 / +0.5 % to +0.2 / +2.0 % (centering there moves its
+    low-norm sink keys, docs/QUALITY.md). ``min_tokens``: a first chunk with fewer usable tokens
+    fits nothing (identity)."""
 
     center_keys: bool = True
-    smooth_keys: float = 0.0
+    smooth_keys: float = 0.5
     center_values: bool = False
-    min_offset: float = 0.85
+    min_offset: float = 0.0
     skip_first: int = 4
     outlier_norm: float = 4.0
     min_tokens: int = 16
+    measure: bool = True
+    measure_tokens: int = 512
 
     def __post_init__(self):
         if not 0 <= self.min_offset < 1:
@@ -141,9 +149,18 @@ class KVTransform:
         return _wide(x).reshape(tokens, kv_heads, q_heads // kv_heads, dim)
 
 
-def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], calibration: Calibration) -> KVTransform:
+def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], calibration: Calibration,
+        query: torch.Tensor | None = None, preset: str | None = None) -> KVTransform:
     """Fits ``μ, s, ν`` from ``key, value [N, Hkv, D]``: the tokens of the sequences that start at
-    ``query_start_loc[b]`` (their positions 0.. in the sequence), sinks and outliers left out."""
+    ``query_start_loc[b]`` (their positions 0.. in the sequence), sinks and outliers left out.
+    With ``calibration.measure``, the chunk's ``query [N, Hq, D]`` and the cache's ``preset``, each
+    head keeps the candidate that ``_choose_per_head`` measures best (without them, ``min_offset``
+    decides as usual)."""
+    if calibration.measure and query is not None and preset is not None and calibration.center_keys:
+        everything = fit(key, value, query_start_loc, replace(calibration, measure=False, min_offset=0.0))
+        if everything.key_offset is None:  # too few tokens: nothing to choose from
+            return everything
+        return _choose_per_head(query, key, value, query_start_loc, preset, everything, calibration)
     keep = torch.ones(key.shape[0], dtype=torch.bool, device=key.device)
     for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
         keep[start:min(end, start + calibration.skip_first)] = False
@@ -169,3 +186,43 @@ def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], cali
         key_scale = scale / scale.log().mean(dim=-1, keepdim=True).exp()  # geometric mean 1 per head
     value_offset = (v * typical).sum(0) / count if calibration.center_values else None
     return KVTransform(key_offset, key_scale, value_offset)
+
+
+def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KVTransform,
+                     calibration: Calibration) -> KVTransform:
+    """Per KV head, the candidate of ``fitted`` (identity; its centering; its centering and
+    smoothing) whose packed keys change the attention output of the first sequence's first
+    ``measure_tokens`` queries least (relative error over the head's query group, causal, values
+    unquantized: the candidates differ in keys only). Ties keep the simpler one."""
+    from .roundtrip import packed  # the ops: imported here, not at module load
+
+    bounds = list(zip(query_start_loc[:-1], query_start_loc[1:])) or [(0, key.shape[0])]
+    start, end = max(bounds, key=lambda b: b[1] - b[0])  # the longest sequence of the chunk
+    end = min(end, start + calibration.measure_tokens)
+    q, k = _wide(query[start:end]).double(), _wide(key[start:end]).double()  # [n, Hq, D], [n, Hkv, D]
+    n, kv_heads = k.shape[0], k.shape[1]
+    q = q.reshape(n, kv_heads, -1, q.shape[-1])  # [n, Hkv, group, D]
+    causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
+    scale = q.shape[-1] ** -0.5
+    v = _wide(value[start:end]).double()
+
+    def attend(keys):  # -> [Hkv, group, n, D]
+        logits = torch.einsum("nhgd,mhd->hgnm", q, keys) * scale
+        return torch.einsum("hgnm,mhd->hgnd", logits.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+    reference = attend(k)
+    candidates = [KVTransform(), KVTransform(fitted.key_offset)]
+    if fitted.key_scale is not None:
+        candidates.append(KVTransform(fitted.key_offset, fitted.key_scale))
+    errors = []
+    for t in candidates:
+        stored = t.keys(key[start:end].float())
+        restored, _ = t.restore(*packed(preset, stored, stored))
+        out = attend(restored.double())
+        errors.append((out - reference).square().sum((1, 2, 3)) / reference.square().sum((1, 2, 3)))  # [Hkv]
+    choice = torch.stack(errors).argmin(0)  # first minimum: the simpler candidate on a tie
+    offset = fitted.key_offset * (choice >= 1)[:, None].to(fitted.key_offset.dtype)
+    key_scale = None
+    if fitted.key_scale is not None:
+        key_scale = torch.where((choice == 2)[:, None], fitted.key_scale, torch.ones_like(fitted.key_scale))
+    return KVTransform(offset, key_scale, fitted.value_offset)

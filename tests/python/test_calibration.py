@@ -2,10 +2,13 @@
 fitting (sink tokens and outliers left out), and that they lower the quantization error on keys
 with a shared offset."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import turboquant as tq
+import turboquant.roundtrip  # noqa: F401  (tq.roundtrip.packed)
 from turboquant.attention import PagedAttentionLayer, StepMetadata
 from turboquant.calibration import Calibration, KVTransform, as_calibration, fit
 from reference import rel_err
@@ -76,7 +79,7 @@ def test_a_chunk_too_short_to_fit_gives_the_identity():
 def test_calibration_options_are_checked():
     assert as_calibration(None) is None and as_calibration(False) is None
     assert as_calibration(True) == Calibration()
-    assert as_calibration(Calibration(center_keys=False)) is None  # nothing to fit
+    assert as_calibration(Calibration(center_keys=False, smooth_keys=0.0)) is None  # nothing to fit
     with pytest.raises(ValueError, match="calibrate must be"):
         as_calibration("keys")
     with pytest.raises(ValueError, match="smooth_keys"):
@@ -95,7 +98,8 @@ def _layer_error(preset, calibration, q, k, v):
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     prefill = StepMetadata(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), table,
                            torch.arange(n), 0)
-    layer.forward(torch.zeros(n, q.shape[1], d), k.float(), v.float(), prefill, 0.125)
+    prefill_queries = torch.randn(n, q.shape[1], d, generator=torch.Generator().manual_seed(9)) * 2  # what measure sees
+    layer.forward(prefill_queries, k.float(), v.float(), prefill, 0.125)
     errs = []
     for row in range(q.shape[0]):
         step = StepMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), table,
@@ -109,9 +113,51 @@ def _layer_error(preset, calibration, q, k, v):
 def test_calibration_lowers_the_error_on_keys_with_a_shared_offset(preset):
     q, k, v = _real_like()
     plain = _layer_error(preset, None, q, k, v)
-    centered = _layer_error(preset, Calibration(min_offset=0.0), q, k, v)
-    everything = _layer_error(preset, Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0), q, k, v)
+    centered = _layer_error(preset, Calibration(smooth_keys=0.0, measure=False), q, k, v)
+    everything = _layer_error(preset, Calibration(center_values=True, measure=False), q, k, v)
+    measured = _layer_error(preset, Calibration(), q, k, v)
     # keys offset by 3 sigma: centering takes most of the key error away (the value error stays,
     # the larger share at 3-bit values)
     assert centered < 0.8 * plain, (plain, centered)
     assert everything < 0.8 * plain, (plain, everything)
+    assert measured < 0.8 * plain, (plain, measured)
+
+
+def test_measured_choice_is_per_head_and_never_worse_on_the_measured_chunk():
+    """Head 0's keys share an offset three times their spread (centering and smoothing pay), head
+    1's are centered already with one channel far wider than the rest (smoothing pays, centering
+    has nothing to take); each head gets the candidate with the smallest attention error on the
+    chunk's own queries, and that error is never above the plain cache's."""
+    g = torch.Generator().manual_seed(5)
+    n, d = 256, 64
+    k = torch.randn(n, 2, d, generator=g)
+    k[:, 0] += 3.0
+    k[:, 1, :4] *= 12.0
+    v = torch.randn(n, 2, d, generator=g)
+    q = torch.randn(n, 8, d, generator=g) * 2
+    recipe = Calibration(smooth_keys=0.5, min_offset=0.0, measure=True)
+    t = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc")
+    assert t.key_offset[0].abs().max() > 1.0 and t.key_scale is not None
+    assert (t.key_scale[1] != 1).any()  # smoothed
+    errors = {}
+    for label, transform in (("chosen", t), ("plain", KVTransform()),
+                             ("everything", fit(k, v, [0, n], replace(recipe, measure=False)))):
+        stored = transform.keys(k)
+        kq, _ = transform.restore(*tq.roundtrip.packed("turboquant_k3v4_nc", stored, stored))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        logits = torch.einsum("nhgd,mhd->hgnm", q.double().view(n, 2, 4, d), kq.double()) * d ** -0.5
+        out = torch.einsum("hgnm,mhd->hgnd", logits.masked_fill(~causal, float("-inf")).softmax(-1), v.double())
+        errors[label] = out
+    ref_logits = torch.einsum("nhgd,mhd->hgnm", q.double().view(n, 2, 4, d), k.double()) * d ** -0.5
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    ref = torch.einsum("hgnm,mhd->hgnd", ref_logits.masked_fill(~causal, float("-inf")).softmax(-1), v.double())
+    err = {label: (out - ref).square().sum((1, 2, 3)) / ref.square().sum((1, 2, 3)) for label, out in errors.items()}
+    assert (err["chosen"] <= err["plain"] * (1 + 1e-9)).all() and (err["chosen"] <= err["everything"] * (1 + 1e-9)).all()
+    assert (err["chosen"] < 0.7 * err["plain"]).all(), err
+
+
+def test_measured_calibration_without_queries_falls_back_to_min_offset():
+    q, k, v = _real_like()
+    measured = fit(k, v, [0, k.shape[0]], Calibration(min_offset=0.5, measure=True))  # no query: nothing to measure
+    plain_rule = fit(k, v, [0, k.shape[0]], Calibration(min_offset=0.5))
+    assert torch.equal(measured.key_offset, plain_rule.key_offset)
