@@ -8,6 +8,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -185,14 +186,15 @@ DecodeArgs check_decode_varlen_args(const at::Tensor& query, const at::Tensor& k
   return check_decode_common(query, kv_cache, block_table, seq_lens, &query_start_loc, preset, num_splits);
 }
 
-bool AttentionOptions::any() const { return window != INT_MAX || softcap != 0.0 || sinks.defined(); }
-
 AttentionOptions check_attention_options(const at::Tensor& query, int64_t window_left, double softcap,
                                          const std::optional<at::Tensor>& sinks) {
   TQ_CHECK(window_left >= -1 && window_left <= INT_MAX - 1,
            "turboquant: window_left must be -1 (no window) or a number of tokens >= 0, got ", window_left);
-  TQ_CHECK(std::isfinite(softcap) && softcap >= 0.0,
-           "turboquant: softcap must be a finite number >= 0 (0 = no soft-capping), got ", softcap);
+  // The CUDA kernels take the cap as a float times log2(e): a cap that rounds to 0 or overflows
+  // there would silently differ from the CPU's double.
+  constexpr double kMaxSoftcap = std::numeric_limits<float>::max() / 2.0;
+  TQ_CHECK(softcap == 0.0 || (softcap >= std::numeric_limits<float>::min() && softcap <= kMaxSoftcap),
+           "turboquant: softcap must be 0 (no soft-capping) or a finite number in [1.2e-38, 1.7e38], got ", softcap);
   AttentionOptions o;
   o.window = window_span(static_cast<int>(window_left));
   o.softcap = softcap;

@@ -48,12 +48,12 @@ DecodeArgs check_decode_varlen_args(const at::Tensor& query, const at::Tensor& k
 void check_query_start_loc_values(const at::Tensor& query_start_loc, int64_t total_q);
 
 // The attention options of decode and decode_varlen (turboquant/attention_options.h), checked:
-// window_left -1 or >= 0, softcap finite and >= 0, sinks fp32 [num_q_heads] on the query's device.
+// window_left -1 or >= 0, softcap 0 or a normal float the kernels can scale by log2(e), sinks fp32
+// [num_q_heads] on the query's device.
 struct AttentionOptions {
-  int window = 0;        // window_span(window_left): INT_MAX for no window
+  int window = INT_MAX;  // window_span(window_left): INT_MAX for no window
   double softcap = 0.0;  // 0: none
   at::Tensor sinks;      // undefined: none
-  bool any() const;      // whether any option is set
 };
 AttentionOptions check_attention_options(const at::Tensor& query, int64_t window_left, double softcap,
                                          const std::optional<at::Tensor>& sinks);

@@ -134,7 +134,7 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hkv, kvh = item % hkv;
       const int seq_len = static_cast<int>(std::clamp<int64_t>(lens[b], 0, max_context));
-      const int first = window_start(seq_len, options.window);
+      const int first = first_attended_position(seq_len, options.window);
       for (int64_t g = 0; g < group; ++g) {
         const float* src = qp + (b * a.num_q_heads + kvh * group + g) * d;
         std::copy(src, src + d, qr[g].begin());

@@ -176,14 +176,14 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // With a window the row reads from the first tile of its first column's window on (the split plan
   // was made for windowed_context tokens), so its cost tracks the window, not the context.
   const int context = limit(num_columns - 1);
-  const int first = p.window == INT_MAX ? 0 : window_first_tile_token(limit(0), p.window);
-  const int span = context - first;
+  const int read_begin = p.window == INT_MAX ? 0 : window_first_tile_token(limit(0), p.window);
+  const int span = context - read_begin;
   TokenRange range = split_token_range(span, p.num_splits, split);
   if (span < p.split_waves.full_context) {
     range = split_token_range(span, row_splits_in_grid(p.split_waves, span, p.num_splits), split);
   }
-  range.begin += first;  // tile-aligned: a tile never straddles a block
-  range.end += first;
+  range.begin += read_begin;  // tile-aligned: a tile never straddles a block
+  range.end += read_begin;
   if (range.begin >= range.end && p.num_splits > 1 && !cluster_splits) {
     // No tokens for this split (a short sequence, or one split of many past its length): the merge
     // weighs a -inf log-sum-exp 0 and ignores the partial vector (unwritten), so nothing else is needed.

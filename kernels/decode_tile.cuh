@@ -123,14 +123,14 @@ __device__ __forceinline__ uint32_t pair_entry(const uint32_t (&w)[NW], int bit,
 // lane is the caller's lane index, kept in a register (derived from the thread index here, it is
 // recomputed in every tile). Masked tokens get -inf by selection, so garbage in their bytes
 // cannot leak in. The attention options (turboquant/attention_options.h): `window` (window_span)
-// masks positions before each column's window; `softcap` > 0 soft-caps the scores, in the log2
+// masks positions before each column's window; `softcap_log2` > 0 soft-caps the scores in the log2
 // domain (the logit cap times log2(e)). The defaults are plain causal attention.
 template <class S, int kSlotMisalign = kUnknownMisalign, int kPairStrideWords = 32, class SlotPtr>
 __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, int pos_lo, bool valid_lo,
                                             bool valid_hi, int limit0, int limit1, uint32_t lane_bytes,
                                             uint32_t table_base, const uint32_t (&qf)[S::D / 16][2],
                                             TileAttention<TileFragments<S>::kKSteps>& st, int window = INT_MAX,
-                                            float softcap = 0.0f) {
+                                            float softcap_log2 = 0.0f) {
   using F = TileFragments<S>;
   constexpr SlotLayout kLayout = S::kLayout;
   const int g = lane >> 2, c = lane & 3;
@@ -178,9 +178,9 @@ __device__ __forceinline__ void attend_tile(int lane, const SlotPtr& slot_ptr, i
     norm_hi = load_half(slot_hi + kLayout.key_norm_offset);
   }
   float logit[4] = {sc[0] * norm_lo, sc[1] * norm_lo, sc[2] * norm_hi, sc[3] * norm_hi};
-  if (softcap > 0.0f) {  // uniform: a launch parameter
+  if (softcap_log2 > 0.0f) {  // uniform: a launch parameter
 #pragma unroll
-    for (int i = 0; i < 4; ++i) logit[i] = softcap_logit(logit[i], softcap);
+    for (int i = 0; i < 4; ++i) logit[i] = softcap_logit(logit[i], softcap_log2);
   }
   const float s0 = valid_lo && attends(pos_lo, limit0, window) ? logit[0] : -INFINITY;
   const float s1 = valid_lo && attends(pos_lo, limit1, window) ? logit[1] : -INFINITY;

@@ -2,7 +2,7 @@
 // CUDA kernels: sliding windows, logit soft-capping and attention sinks (SPEC §4).
 //
 //   window_left  a query at position p attends to positions [p - window_left, p]: FlashAttention's
-//                window_size[0]; -1 (any negative) means no window. transformers' sliding_window W
+//                window_size[0]; -1 means no window. transformers' sliding_window W
 //                (Mistral, Gemma 2/3, gpt-oss: a query sees its W most recent tokens, itself
 //                included) is window_left = W - 1.
 //   softcap      logits s = scale * q.k become softcap * tanh(s / softcap) before the softmax (Gemma 2's
@@ -30,7 +30,7 @@ TQ_HD bool attends(int pos, int limit, int window) {
 }
 
 // The first position such a query attends to.
-TQ_HD int window_start(int limit, int window) {
+TQ_HD int first_attended_position(int limit, int window) {
   const int start = limit - 1 - window;  // no overflow: limit >= 0 and window <= INT_MAX
   return start > 0 ? start : 0;
 }
@@ -39,7 +39,7 @@ TQ_HD int window_start(int limit, int window) {
 // start rounded down to a whole token tile (a tile never straddles a block; the tokens before the
 // window's start are masked by attends).
 TQ_HD int window_first_tile_token(int limit, int window) {
-  return window_start(limit, window) / kTokenTile * kTokenTile;
+  return first_attended_position(limit, window) / kTokenTile * kTokenTile;
 }
 
 // The most tokens one decode row (or CTA of `query_tokens` consecutive query tokens) reads under

@@ -37,8 +37,9 @@ TQ_HD constexpr int hadamard_paley_order(int d) {
   return m != 0 && d % m == 0 ? m : 0;
 }
 
-// Row r of H_m as a mask of its -1 entries (m = 12, 20 or 28).
-TQ_HD uint32_t paley_row(int m, int r) {
+// Row r of H_m as a mask of its -1 entries (m = 12, 20 or 28). Host code: the tables are host
+// constants (the CUDA kernels rotate at D = 64, 128 and 256 only).
+inline uint32_t paley_row(int m, int r) {
   return m == 12 ? kPaley12[r] : m == 20 ? kPaley20[r] : kPaley28[r];
 }
 
@@ -47,7 +48,7 @@ TQ_HD uint32_t paley_row(int m, int r) {
 // offset in a block, H_m across the blocks, each output the sum over the blocks in order (adds and
 // subtracts only, so every implementation that keeps this order gets the same floats).
 template <typename T>
-TQ_HD void hadamard_transform_inplace(T* x, int d) {
+void hadamard_transform_inplace(T* x, int d) {
   const int m = hadamard_paley_order(d), block = d / m;
   for (int a = 0; a < m; ++a) fwht_inplace(x + a * block, block);
   if (m == 1) return;

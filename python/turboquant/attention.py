@@ -62,19 +62,34 @@ class StepMetadata:
     num_decodes: int
 
 
+def visible_keys(key_position: torch.Tensor, query_position: torch.Tensor, window_left: int = -1) -> torch.Tensor:
+    """Which keys a query at ``query_position`` sees (broadcasting): causal, and with
+    ``window_left >= 0`` from ``query_position - window_left`` on (the ops' window)."""
+    visible = key_position <= query_position
+    if window_left >= 0:
+        visible &= key_position >= query_position - window_left
+    return visible
+
+
+def _sdpa_gqa(q, k, v, mask, scale: float):
+    """SDPA with GQA ([B, Hq, M, D] against [B, Hkv, N, D]) without copying K/V per query head where
+    torch has enable_gqa (2.5 on), in q's dtype."""
+    try:
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    except TypeError:  # torch < 2.5 has no enable_gqa: copy K/V once per query head
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.to(q.dtype).repeat_interleave(group, 1),
+                                              v.to(q.dtype).repeat_interleave(group, 1), attn_mask=mask, scale=scale)
+
+
 def dense_attention(q, k, v, mask, scale: float, softcap: float = 0.0, sinks=None):
     """q [B, Hq, M, D] attends k, v [B, Hkv, N, D] where the bool ``mask`` [B or 1, 1, M, N] allows:
     SDPA (GQA without copies) when neither soft-capping nor sinks are set, else eager attention in
     fp32 with the ops' definitions. Rows that see nothing (and have no sink) are zeros. -> [B, Hq, M, D]
     in q's dtype."""
     if not softcap and sinks is None:
-        try:
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
-        except TypeError:  # torch < 2.5 has no enable_gqa: copy K/V once per query head
-            group = q.shape[1] // k.shape[1]
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype).repeat_interleave(group, 1),
-                                                 v.to(q.dtype).repeat_interleave(group, 1), attn_mask=mask, scale=scale)
+        out = _sdpa_gqa(q, k, v, mask, scale)
         return torch.where(mask.any(-1, keepdim=True), out, 0.0)  # SDPA gives NaN rows where all is masked
     group = q.shape[1] // k.shape[1]
     logits = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float().repeat_interleave(group, 1)) * scale
@@ -149,9 +164,10 @@ class PagedAttentionLayer:
         self.cache = grown
 
     # ---- cache access
-    def _store(self, key, value, slot_mapping, query_start_loc: list[int], query=None):
+    def _store(self, key, value, slot_mapping, query_start_loc: list[int], query=None, scale=None):
         """``query_start_loc``: where each sequence's new tokens start in ``key`` (host ints);
-        ``query``: the step's queries, which a measuring calibration chooses its transformations by."""
+        ``query``, ``scale``: the step's queries and softmax scale, which a measuring calibration
+        chooses its transformations by."""
         if self.preset is None:
             spare = self._rows.shape[0] - 1
             slots = slot_mapping.long()
@@ -159,7 +175,7 @@ class PagedAttentionLayer:
             self._rows.index_copy_(0, rows, torch.stack([key, value], dim=1).to(self.dtype))
         else:
             if self.calibration is not None and self.transform is None:
-                self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset)
+                self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset, scale)
             if self.transform is not None:
                 key, value = self.transform.keys(key), self.transform.values(value)
             store_kv(key, value, self.cache, slot_mapping, self.preset)
@@ -185,26 +201,13 @@ class PagedAttentionLayer:
         m, n = q.shape[0], k.shape[0]
         q4, k4, v4 = (t.transpose(0, 1).to(q.dtype).unsqueeze(0) for t in (q, k, v))
         if self.window_left < 0 and not self.softcap and self.sinks is None:
-            mask = causal_lower_right(m, n)
-            try:
-                out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
-            except TypeError:  # torch < 2.5 has no enable_gqa: copy K/V once per query head
-                group = q.shape[1] // k.shape[1]
-                out = F.scaled_dot_product_attention(q4, k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1),
-                                                     attn_mask=mask, scale=scale)
+            out = _sdpa_gqa(q4, k4, v4, causal_lower_right(m, n), scale)
         else:
             position = torch.arange(n - m, n, device=q.device)[:, None]  # each query row's position
             key_position = torch.arange(n, device=q.device)[None, :]
-            mask = self._visible(key_position, position)[None, None]
+            mask = visible_keys(key_position, position, self.window_left)[None, None]
             out = dense_attention(q4, k4, v4, mask, scale, self.softcap, self.sinks)
         return out[0].transpose(0, 1)
-
-    def _visible(self, key_position, query_position):
-        """Which keys a query at ``query_position`` sees: causal, within the window if there is one."""
-        visible = key_position <= query_position
-        if self.window_left >= 0:
-            visible &= key_position >= query_position - self.window_left
-        return visible
 
     def _decode(self, query, block_table, seq_lens, scale):
         """One new token per sequence, query [B, Hq, D], without host synchronisation."""
@@ -216,7 +219,7 @@ class PagedAttentionLayer:
             return self.transform.output(out, attended=seq_lens > 0)
         k, v = self._dense(block_table, seq_lens)  # [B, N, Hkv, D]
         key_position = torch.arange(k.shape[1], device=query.device)[None, :]
-        visible = self._visible(key_position, seq_lens[:, None].long() - 1)  # [B, N]; none where seq_len is 0
+        visible = visible_keys(key_position, seq_lens[:, None].long() - 1, self.window_left)  # [B, N]; none at seq_len 0
         out = dense_attention(query.float().unsqueeze(2), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                               visible[:, None, None, :], scale, self.softcap, self.sinks)
         return out[:, :, 0].to(query.dtype)
@@ -225,10 +228,10 @@ class PagedAttentionLayer:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
         nd = meta.num_decodes
         if nd == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
-            self._store(key, value, meta.slot_mapping, [])  # positions unknown: no sink skipping
+            self._store(key, value, meta.slot_mapping, [])  # positions unknown: no skip_first
             return self._decode(query, meta.block_table, meta.seq_lens, scale)
         starts = meta.query_start_loc.tolist()
-        self._store(key, value, meta.slot_mapping, starts, query)
+        self._store(key, value, meta.slot_mapping, starts, query, scale)
         out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
         lens = meta.seq_lens.tolist()
         # Short continuation chunks the packed cache serves in one decode_varlen launch, rows

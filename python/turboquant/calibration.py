@@ -10,6 +10,9 @@ Attention is invariant to transformations the quantizer is not. For one (layer, 
   the norm the quantization error scales with.
 * value centering: the attention weights sum to 1, so ``Σ p (v − ν) + ν = Σ p v``.
 
+Key centering needs a softmax over the keys' logits alone: with soft-capping or attention sinks it
+is not exact, nor is value centering with sinks (``Calibration.exact_for`` drops them there).
+
 The cache stores ``(k − μ) ⊘ s`` and ``v − ν``; a query attends as ``q ⊙ s`` and the output gets
 ``ν`` added, so attention over the packed cache is the attention of the original K/V (up to the
 quantization). ``μ, s, ν`` are fitted per (layer, KV head) from the first K/V a layer stores,
@@ -57,6 +60,8 @@ class Calibration:
             raise ValueError(f"turboquant: Calibration.min_offset must be in [0, 1), got {self.min_offset}")
         if self.smooth_keys < 0 or self.smooth_keys > 1:
             raise ValueError(f"turboquant: Calibration.smooth_keys must be in [0, 1], got {self.smooth_keys}")
+        if self.measure_tokens < 2:
+            raise ValueError(f"turboquant: Calibration.measure_tokens must be >= 2, got {self.measure_tokens}")
         if self.skip_first < 0 or self.min_tokens < 1 or self.outlier_norm <= 1:
             raise ValueError("turboquant: Calibration needs skip_first >= 0, min_tokens >= 1 and outlier_norm > 1, got "
                              f"{self.skip_first}, {self.min_tokens}, {self.outlier_norm}")
@@ -150,17 +155,19 @@ class KVTransform:
 
 
 def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], calibration: Calibration,
-        query: torch.Tensor | None = None, preset: str | None = None) -> KVTransform:
+        query: torch.Tensor | None = None, preset: str | None = None, scale: float | None = None) -> KVTransform:
     """Fits ``μ, s, ν`` from ``key, value [N, Hkv, D]``: the tokens of the sequences that start at
-    ``query_start_loc[b]`` (their positions 0.. in the sequence), sinks and outliers left out.
-    With ``calibration.measure``, the chunk's ``query [N, Hq, D]`` and the cache's ``preset``, each
-    head keeps the candidate that ``_choose_per_head`` measures best (without them, ``min_offset``
-    decides as usual)."""
-    if calibration.measure and query is not None and preset is not None and calibration.center_keys:
+    ``query_start_loc[b]`` (their positions 0.. in the sequence), the first ``skip_first`` of each
+    and outliers left out. With ``calibration.measure``, the chunk's ``query [N, Hq, D]``, the
+    cache's ``preset`` and the attention's ``scale`` (default ``D ** -0.5``), each head keeps the
+    candidate that ``_choose_per_head`` measures best (without them, ``min_offset`` decides)."""
+    key_transforms = calibration.center_keys or calibration.smooth_keys > 0
+    if calibration.measure and query is not None and preset is not None and key_transforms:
         everything = fit(key, value, query_start_loc, replace(calibration, measure=False, min_offset=0.0))
-        if everything.key_offset is None:  # too few tokens: nothing to choose from
+        if everything.key_offset is None and everything.key_scale is None:  # too few tokens: nothing to choose
             return everything
-        return _choose_per_head(query, key, value, query_start_loc, preset, everything, calibration)
+        return _choose_per_head(query, key, value, query_start_loc, preset, everything, calibration,
+                                scale if scale is not None else key.shape[-1] ** -0.5)
     keep = torch.ones(key.shape[0], dtype=torch.bool, device=key.device)
     for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
         keep[start:min(end, start + calibration.skip_first)] = False
@@ -189,11 +196,12 @@ def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], cali
 
 
 def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KVTransform,
-                     calibration: Calibration) -> KVTransform:
+                     calibration: Calibration, scale: float) -> KVTransform:
     """Per KV head, the candidate of ``fitted`` (identity; its centering; its centering and
-    smoothing) whose packed keys change the attention output of the first sequence's first
-    ``measure_tokens`` queries least (relative error over the head's query group, causal, values
-    unquantized: the candidates differ in keys only). Ties keep the simpler one."""
+    smoothing, or its smoothing where centering is off) whose packed keys change the attention
+    output of the chunk's longest sequence's first ``measure_tokens`` queries least (relative error
+    over the head's query group, causal without the layer's window, values unquantized: the
+    candidates differ in keys only). Ties keep the simpler one."""
     from .roundtrip import packed  # the ops: imported here, not at module load
 
     bounds = list(zip(query_start_loc[:-1], query_start_loc[1:])) or [(0, key.shape[0])]
@@ -203,7 +211,6 @@ def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KV
     n, kv_heads = k.shape[0], k.shape[1]
     q = q.reshape(n, kv_heads, -1, q.shape[-1])  # [n, Hkv, group, D]
     causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
-    scale = q.shape[-1] ** -0.5
     v = _wide(value[start:end]).double()
 
     def attend(keys):  # -> [Hkv, group, n, D]
@@ -211,7 +218,9 @@ def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KV
         return torch.einsum("hgnm,mhd->hgnd", logits.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
     reference = attend(k)
-    candidates = [KVTransform(), KVTransform(fitted.key_offset)]
+    candidates = [KVTransform()]  # (offset, scale) of each, simplest first
+    if fitted.key_offset is not None:
+        candidates.append(KVTransform(fitted.key_offset))
     if fitted.key_scale is not None:
         candidates.append(KVTransform(fitted.key_offset, fitted.key_scale))
     errors = []
@@ -221,8 +230,12 @@ def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KV
         out = attend(restored.double())
         errors.append((out - reference).square().sum((1, 2, 3)) / reference.square().sum((1, 2, 3)))  # [Hkv]
     choice = torch.stack(errors).argmin(0)  # first minimum: the simpler candidate on a tie
-    offset = fitted.key_offset * (choice >= 1)[:, None].to(fitted.key_offset.dtype)
-    key_scale = None
+    chosen = [candidates[int(c)] for c in choice]  # per KV head
+    offset = key_scale = None
+    if fitted.key_offset is not None:
+        offset = torch.stack([t.key_offset[h] if t.key_offset is not None else torch.zeros_like(fitted.key_offset[h])
+                              for h, t in enumerate(chosen)])
     if fitted.key_scale is not None:
-        key_scale = torch.where((choice == 2)[:, None], fitted.key_scale, torch.ones_like(fitted.key_scale))
+        key_scale = torch.stack([t.key_scale[h] if t.key_scale is not None else torch.ones_like(fitted.key_scale[h])
+                              for h, t in enumerate(chosen)])
     return KVTransform(offset, key_scale, fitted.value_offset)

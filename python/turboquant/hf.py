@@ -48,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - only without transformers
         f"turboquant.hf needs Hugging Face transformers 5.x ({exc}); install it with `pip install 'transformers>=5.25'`"
     ) from exc
 
-from .attention import PagedAttentionLayer, StepMetadata, dense_attention
+from .attention import PagedAttentionLayer, StepMetadata, dense_attention, visible_keys
 from .calibration import Calibration, as_calibration
 from .cache import SUPPORTED_BLOCK_SIZES, boundary_skip_layers as _boundary_layers
 from .presets import PRESETS, slot_layout
@@ -94,7 +94,7 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None:  # no padding: causal, the last query row at the last key
         rows = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-        mask = (torch.arange(kv_len, device=query.device)[None, :] <= rows)[None, None]
+        mask = visible_keys(torch.arange(kv_len, device=query.device)[None, :], rows)[None, None]
     elif attention_mask.dtype == torch.bool:
         mask = attention_mask[..., :kv_len]
     else:  # additive: 0 where attended
@@ -106,7 +106,7 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, turboquant_attention)
 # The plain layers take SDPA's mask as it is; the packed layers read which new tokens are padding
-# from its last query row.
+# from its diagonal (_new_token_mask).
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
@@ -351,7 +351,12 @@ class TurboQuantLayer(CacheLayerMixin):
     prefetch = offload
 
 
-def _unsupported_reason(config, layer_type: str, head_dim: int, preset: str) -> str | None:
+def _has_attention_sinks(config) -> bool:
+    """Whether transformers gives the model's attention per-head sinks (``s_aux``): gpt-oss."""
+    return getattr(config, "model_type", "") == "gpt_oss"
+
+
+def _unsupported_reason(layer_type: str, head_dim: int, preset: str) -> str | None:
     if layer_type not in ("full_attention", "sliding_attention"):
         return f"{layer_type} layers"
     try:
@@ -377,10 +382,12 @@ class TurboQuantCache(Cache):
         reserve_tokens: reserve this many tokens per sequence at the first step instead of
             growing the cache as generation proceeds.
         calibrate: exact per-head transformations of K/V fitted on the first prefill
-            (``turboquant.calibration``): ``True`` for the default recipe (keys centered in the
-            heads whose keys share a large offset), a ``Calibration`` to choose, ``None`` for
-            none. Same bytes per token; attention is unchanged up to the quantization, which
-            loses less on keys with a shared offset.
+            (``turboquant.calibration``): ``True`` for the default recipe (per head, keys centered,
+            centered and smoothed, or left, whichever gives the first chunk's queries the smallest
+            attention error), a ``Calibration`` to choose, ``None`` for none. Same bytes per token;
+            attention is unchanged up to the quantization, which loses less on keys with a shared
+            offset or a few wide channels. Layers that soft-cap or have sinks keep only the
+            transformations that stay exact there (``Calibration.exact_for``).
     """
 
     def __init__(self, config, preset: str = "turboquant_4bit_nc", boundary_skip_layers: int = 2,
@@ -402,6 +409,11 @@ class TurboQuantCache(Cache):
         if reserve_tokens is not None and (not isinstance(reserve_tokens, int) or reserve_tokens <= 0):
             raise ValueError(f"turboquant: reserve_tokens must be a positive int or None, got {reserve_tokens!r}")
         calibration = as_calibration(calibrate)
+        # What stays exact under the model's soft-capping and sinks, known here from the config: a
+        # load_from stores (and fits) before the first attention call passes them.
+        exact = None if calibration is None else calibration.exact_for(
+            softcap=bool(getattr(text_config, "attn_logit_softcapping", None)),
+            sinks=_has_attention_sinks(text_config))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         if isinstance(layer_kwargs, dict):  # transformers before 5.2x: one dict for every layer
             layer_kwargs = [layer_kwargs] * len(layer_types)
@@ -417,13 +429,13 @@ class TurboQuantCache(Cache):
         self.preset, self.sequences = preset, _PagedSequences(block_size)
         layers, unserved = [], {}
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            reason = None if i in skip else _unsupported_reason(text_config, layer_type, head_dim, preset)
+            reason = None if i in skip else _unsupported_reason(layer_type, head_dim, preset)
             if reason is not None:
                 unserved.setdefault(reason, []).append(i)
             if i in skip or reason is not None:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:
-                layers.append(TurboQuantLayer(i, preset, self.sequences, varlen_threshold, reserve_tokens, calibration))
+                layers.append(TurboQuantLayer(i, preset, self.sequences, varlen_threshold, reserve_tokens, exact))
         for reason, indices in unserved.items():
             warnings.warn(f"turboquant: layers {indices} keep a plain cache: the packed cache does not serve "
                           f"{reason} yet", stacklevel=2)
@@ -475,6 +487,11 @@ class TurboQuantCache(Cache):
         if len(other.layers) != len(self.layers):
             raise ValueError(f"turboquant: the other cache has {len(other.layers)} layers, this one {len(self.layers)}")
         for i, source in enumerate(other.layers):
+            held, seen = source.keys.shape[-2], source.get_seq_length()
+            if held < seen:
+                raise ValueError(f"turboquant: layer {i} of the other cache holds only its last {held} of {seen} positions "
+                                 "(a sliding-window layer); load_from needs every position: prefill with "
+                                 "transformers' DynamicCache() built without the model's config")
             if i in self.quantized_layers:
                 self.layers[i].store(source.keys, source.values)
             else:

@@ -84,8 +84,9 @@ def decode_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                                               float(scale), int(num_splits), int(window_left), float(softcap), sinks)
 
 
-decode.__doc__ += _OPTIONS_DOC
-decode_varlen.__doc__ += _OPTIONS_DOC
+if decode.__doc__ is not None:  # None under python -OO
+    decode.__doc__ += _OPTIONS_DOC
+    decode_varlen.__doc__ += _OPTIONS_DOC
 
 
 def dequantize(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, preset: str,

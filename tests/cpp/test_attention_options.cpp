@@ -22,7 +22,7 @@ TEST(AttentionOptions, AttendsIsTheWindowedCausalRule) {
         const bool expected = pos < limit && (window == INT_MAX || pos >= limit - 1 - window);
         ASSERT_EQ(attends(pos, limit, window), expected) << window << " " << limit << " " << pos;
       }
-      const int start = window_start(limit, window);
+      const int start = first_attended_position(limit, window);
       for (int pos = 0; pos < limit; ++pos) ASSERT_EQ(attends(pos, limit, window), pos >= start);
     }
   }

@@ -137,7 +137,7 @@ def test_measured_choice_is_per_head_and_never_worse_on_the_measured_chunk():
     q = torch.randn(n, 8, d, generator=g) * 2
     recipe = Calibration(smooth_keys=0.5, min_offset=0.0, measure=True)
     t = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc")
-    assert t.key_offset[0].abs().max() > 1.0 and t.key_scale is not None
+    assert t.key_offset[0].abs().max() > 1.0
     assert (t.key_scale[1] != 1).any()  # smoothed
     errors = {}
     for label, transform in (("chosen", t), ("plain", KVTransform()),
@@ -157,7 +157,18 @@ def test_measured_choice_is_per_head_and_never_worse_on_the_measured_chunk():
 
 
 def test_measured_calibration_without_queries_falls_back_to_min_offset():
-    q, k, v = _real_like()
-    measured = fit(k, v, [0, k.shape[0]], Calibration(min_offset=0.5, measure=True))  # no query: nothing to measure
-    plain_rule = fit(k, v, [0, k.shape[0]], Calibration(min_offset=0.5))
-    assert torch.equal(measured.key_offset, plain_rule.key_offset)
+    """Without queries (a cache loaded from another) the min_offset rule decides (head 1, without an
+    offset, stays uncentered); with them the measurement does, and centers the head whose offset is
+    large."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(200, 2, 64, generator=g, dtype=torch.float64)
+    k[:, 0] += 3.0  # head 0: a large offset; head 1: none
+    recipe = Calibration(smooth_keys=0.0, min_offset=0.5)
+    without_queries = fit(k, k, [0, 200], recipe)
+    assert torch.equal(without_queries.key_offset, fit(k, k, [0, 200], replace(recipe, measure=False)).key_offset)
+    assert without_queries.key_offset[0].abs().max() > 1 and (without_queries.key_offset[1] == 0).all()
+    everything = fit(k, k, [0, 200], replace(recipe, min_offset=0.0))  # the measurement's candidates: both centered
+    assert (everything.key_offset[1] != 0).any()
+    measured = fit(k, k, [0, 200], replace(recipe, min_offset=0.0), query=torch.randn(200, 8, 64, generator=g, dtype=torch.float64),
+                   preset="turboquant_4bit_nc")
+    assert measured.key_offset[0].abs().max() > 1  # centering pays where the offset is large

@@ -455,6 +455,42 @@ def test_cuda_refuses_a_rotated_head_dim_its_kernels_lack_naming_the_supported_o
         model(torch.randint(0, 256, (1, 8), device="cuda"), **_cache(cache), use_cache=True)
 
 
+def test_load_from_refuses_a_sliding_layer_that_dropped_positions():
+    model = _tiny_with_options("gemma3_window")
+    prefilled = DynamicCache(config=model.config)  # its sliding layers keep the last 15 positions
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 40)), **_cache(prefilled), use_cache=True)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc")
+    with pytest.raises(ValueError, match="holds only its last 15 of 40 positions.*DynamicCache"):
+        cache.load_from(prefilled)
+
+
+@pytest.mark.parametrize("kind", ["gemma2_softcap_window", "gpt_oss_sinks_window"])
+def test_calibrated_load_from_of_a_softcapped_or_sink_model_keeps_only_exact_transformations(kind):
+    """load_from stores (and fits) before any attention call tells the layers their options: the
+    cache knows them from the config, fits no key centering, and the next step attends as eager
+    attention over what it holds."""
+    model = _tiny_with_options(kind)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    prefilled = DynamicCache()
+    with torch.no_grad():
+        model(ids, **_cache(prefilled), use_cache=True)
+        cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=0,
+                                     calibrate=True).load_from(prefilled)
+        for i in cache.quantized_layers:
+            t = cache.layers[i].attention.transform
+            assert t.key_offset is None and t.key_scale is not None  # smoothing only: exact under both
+        ref = _reference_cache(model, cache)
+        nxt = torch.tensor([[7]])
+        ours = model(nxt, **_cache(cache), use_cache=True).logits[0, -1].double()
+        model.set_attn_implementation("eager")
+        try:
+            theirs = model(nxt, **_cache(ref), use_cache=True).logits[0, -1].double()
+        finally:
+            model.set_attn_implementation("turboquant")
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+
+
 def _round_tripping_cache(model, quantized: list[int], preset: str) -> DynamicCache:
     """transformers' own cache for the model's layer types (sliding layers included) whose layers in
     ``quantized`` store what a packed cache of ``preset`` decodes K/V to; their first update (a
