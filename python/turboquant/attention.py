@@ -100,7 +100,8 @@ def dense_attention(q, k, v, mask, scale: float, softcap: float = 0.0, sinks=Non
         sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         weights = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
     else:
-        weights = torch.where(mask.any(-1, keepdim=True), logits.softmax(-1), 0.0)
+        weights = logits.softmax(-1)
+    weights = torch.where(mask.any(-1, keepdim=True), weights, 0.0)  # nothing visible: zeros, as the ops give
     return torch.einsum("bhmn,bhnd->bhmd", weights, v.float().repeat_interleave(group, 1)).to(q.dtype)
 
 

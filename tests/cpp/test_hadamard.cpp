@@ -55,6 +55,9 @@ TEST(Hadamard, OrthonormalAndSymmetric) {
   EXPECT_THROW(orthonormal_hadamard(72), std::invalid_argument);
 }
 
+// The matrix is built from the transform, so this checks the transform's linearity and the
+// normalization; the independent check of the construction is tests/python/test_presets.py, against
+// Paley matrices built from the GF(q) definition.
 TEST(Hadamard, TransformEqualsMatrixProduct) {
   std::mt19937 rng(1);
   std::normal_distribution<float> n;
