@@ -6,7 +6,7 @@
 # | step            | what it runs                                              | knobs (environment)                      |
 # |-----------------|-----------------------------------------------------------|------------------------------------------|
 # | tests           | GoogleTest + pytest, CUDA tests included                  | TESTS, TESTS_K (-k), TESTS_TIMEOUT (520) |
-# | sanitize        | compute-sanitizer memcheck/racecheck/synccheck on a test subset, both decode kernels | SANITIZE_TIMEOUT (420) |
+# | sanitize        | compute-sanitizer memcheck/racecheck/synccheck on a test subset, both decode kernels and the attention options | SANITIZE_TIMEOUT (420) |
 # | race_control    | racecheck on tools/probes/ring_racecheck_probe.cu alone   |                                          |
 # | bench           | benchmarks/bench_store.py + bench_decode.py (RESULTS.md tables) |                                    |
 # | generate        | benchmarks/bench_generate.py: transformers' generate, TurboQuantCache vs default cache | GENERATE_ARGS, GENERATE_TIMEOUT (300) |
@@ -103,6 +103,10 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   rows="not each_decode_kernel and not refuses and not graph and ((matches_cpu and not 7 and not 3) or several or masks or past or serving)"
   TURBOQUANT_DECODE_KERNEL=rows sanitize rows_memcheck memcheck "$rows" tests/python/test_decode_rows.py &
   TURBOQUANT_DECODE_KERNEL=rows sanitize rows_racecheck racecheck "$rows and not dtypes" tests/python/test_decode_rows.py &
+  # The attention options (windows, soft-capping, sinks) on the per-head kernel: its windowed range,
+  # the sink in split 0's epilogue, both merges.
+  sanitize options_memcheck memcheck "cuda and not graph and not refuses" tests/python/test_attention_options.py &
+  sanitize options_racecheck racecheck "cuda_decode_options and 4bit" tests/python/test_attention_options.py &
 fi
 if has tests; then
   mark_step tests
@@ -123,7 +127,7 @@ if has sanitize || has race_control; then
   echo "== racecheck control (exit $?): $(grep -E '^ring' "$OUT/ring_racecheck.log") | $(grep -E 'RACECHECK SUMMARY' "$OUT/ring_racecheck.log" | tail -1)"
 fi
 if has sanitize; then
-  for t in memcheck racecheck synccheck rows_memcheck rows_racecheck; do
+  for t in memcheck racecheck synccheck rows_memcheck rows_racecheck options_memcheck options_racecheck; do
     echo "== compute-sanitizer $t: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$t.log" | tail -1) | $(grep -E 'passed|failed' "$OUT/sanitize_$t.log" | tail -1) | $(tail -1 "$OUT/sanitize_$t.log")"
     grep -q "exit=0" "$OUT/sanitize_$t.log" || status=1
   done
