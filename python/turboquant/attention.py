@@ -71,6 +71,13 @@ def visible_keys(key_position: torch.Tensor, query_position: torch.Tensor, windo
     return visible
 
 
+def bottom_right_mask(queries: int, keys: int, window_left: int = -1, device=None) -> torch.Tensor:
+    """[queries, keys] bool: the last query at the last key, each query at its position
+    ``keys - queries + i`` seeing causally (``visible_keys``)."""
+    position = torch.arange(keys - queries, keys, device=device)[:, None]
+    return visible_keys(torch.arange(keys, device=device)[None, :], position, window_left)
+
+
 def _sdpa_gqa(q, k, v, mask, scale: float):
     """SDPA with GQA ([B, Hq, M, D] against [B, Hkv, N, D]) without copying K/V per query head where
     torch has enable_gqa (2.5 on), in q's dtype."""
@@ -114,7 +121,7 @@ class PagedAttentionLayer:
         self.varlen_threshold = varlen_threshold
         self._recipe = calibration if preset is not None else None
         self.transform: KVTransform | None = None  # fitted on the first store when calibrating
-        self._sinks_source = None
+        self.window_left = self.softcap = self._sinks_source = None  # set_attention_options sets them
         self.set_attention_options(window_left, softcap, sinks, device)
         if preset is None:  # plain paged cache: [num_blocks, block_size, 2 (K, V), Hkv, D]
             rows = num_blocks * block_size
@@ -128,7 +135,10 @@ class PagedAttentionLayer:
     def set_attention_options(self, window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                               device=None) -> None:
         """The layer's attention options (see ``turboquant.ops.decode``); fixed once the layer has
-        stored K/V through a calibration, whose exact transformations depend on them."""
+        stored K/V through a calibration, whose exact transformations depend on them. A model calls
+        this every step with the same options: that returns at once."""
+        if (window_left, softcap) == (self.window_left, self.softcap) and sinks is self._sinks_source:
+            return
         if not isinstance(window_left, int) or window_left < -1:
             raise ValueError(f"turboquant: window_left must be -1 (no window) or an int >= 0, got {window_left!r}")
         if not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
@@ -204,9 +214,7 @@ class PagedAttentionLayer:
         if self.window_left < 0 and not self.softcap and self.sinks is None:
             out = _sdpa_gqa(q4, k4, v4, causal_lower_right(m, n), scale)
         else:
-            position = torch.arange(n - m, n, device=q.device)[:, None]  # each query row's position
-            key_position = torch.arange(n, device=q.device)[None, :]
-            mask = visible_keys(key_position, position, self.window_left)[None, None]
+            mask = bottom_right_mask(m, n, self.window_left, q.device)[None, None]
             out = dense_attention(q4, k4, v4, mask, scale, self.softcap, self.sinks)
         return out[0].transpose(0, 1)
 

@@ -48,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - only without transformers
         f"turboquant.hf needs Hugging Face transformers 5.x ({exc}); install it with `pip install 'transformers>=5.25'`"
     ) from exc
 
-from .attention import PagedAttentionLayer, StepMetadata, dense_attention, visible_keys
+from .attention import PagedAttentionLayer, StepMetadata, bottom_right_mask, dense_attention
 from .calibration import Calibration, as_calibration
 from .cache import SUPPORTED_BLOCK_SIZES, boundary_skip_layers as _boundary_layers
 from .presets import PRESETS, slot_layout
@@ -93,8 +93,7 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
         raise ValueError("turboquant: attention dropout is not supported with soft-capping or sinks")
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None:  # no padding: causal, the last query row at the last key
-        rows = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-        mask = visible_keys(torch.arange(kv_len, device=query.device)[None, :], rows)[None, None]
+        mask = bottom_right_mask(q_len, kv_len, device=query.device)[None, None]
     elif attention_mask.dtype == torch.bool:
         mask = attention_mask[..., :kv_len]
     else:  # additive: 0 where attended
