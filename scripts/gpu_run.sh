@@ -10,6 +10,7 @@
 # | race_control    | racecheck on tools/probes/ring_racecheck_probe.cu alone   |                                          |
 # | bench           | benchmarks/bench_store.py + bench_decode.py (RESULTS.md tables) |                                    |
 # | generate        | benchmarks/bench_generate.py: transformers' generate, TurboQuantCache vs default cache | GENERATE_ARGS, GENERATE_TIMEOUT (300) |
+# | options         | benchmarks/bench_options.py: windowed decode vs plain over the window; softcap, sinks |       |
 # | short           | bench_decode.py, short contexts (4bit_nc, k8v4)           |                                          |
 # | serving         | benchmarks/bench_serving.py: a serving engine's block tables | SERVING_ARGS, SERVING_TIMEOUT (300)   |
 # | continuation    | benchmarks/bench_continuation.py, both varlen kernels     |                                          |
@@ -145,6 +146,12 @@ if has generate; then  # end to end through transformers (random Llama-3-8B-shap
   PYTHONPATH=python timeout "${GENERATE_TIMEOUT:-300}" "$PYTHON" benchmarks/bench_generate.py ${GENERATE_ARGS:-} \
     --out "$OUT/generate.md" > "$OUT/generate.log" 2>&1 || { status=1; tail -20 "$OUT/generate.log"; }
   grep -E "^\|" "$OUT/generate.md"
+fi
+if has options; then  # sliding window vs a plain decode over the window; softcap and sinks vs plain
+  mark_step options
+  timeout 300 "$PYTHON" benchmarks/bench_options.py --out "$OUT/options.md" > "$OUT/bench_options.log" 2>&1 \
+    || { status=1; tail -20 "$OUT/bench_options.log"; }
+  cat "$OUT/options.md"
 fi
 if has short; then  # the short-context shapes and tables only (one and 16 decode steps per graph)
   mark_step short
