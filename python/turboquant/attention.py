@@ -46,7 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .cache import allocate_kv_cache
 from .calibration import Calibration, KVTransform, fit
-from .ops import decode, decode_varlen, dequantize, store_kv
+from .ops import decode, decode_varlen, dequantize, head_dim_for_slot, store_kv
 
 
 @dataclass
@@ -60,6 +60,16 @@ class StepMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     num_decodes: int
+    # Host copies, where the caller has them (a serving engine does): a step with prefill chunks
+    # then reads its chunk bounds without copying them back from the GPU.
+    query_start_loc_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+
+    def host_bounds(self) -> tuple[list[int], list[int]]:
+        """(query_start_loc, seq_lens) as host ints."""
+        starts = self.query_start_loc_host if self.query_start_loc_host is not None else self.query_start_loc.tolist()
+        lens = self.seq_lens_host if self.seq_lens_host is not None else self.seq_lens.tolist()
+        return starts, lens
 
 
 def visible_keys(key_position: torch.Tensor, query_position: torch.Tensor, window_left: int = -1) -> torch.Tensor:
@@ -131,6 +141,24 @@ class PagedAttentionLayer:
             self.cache = self._rows[:rows].view(num_blocks, block_size, 2, num_kv_heads, head_dim)
         else:
             self.cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device)
+
+    @classmethod
+    def over_cache(cls, cache: torch.Tensor, preset: str, dtype=torch.bfloat16, varlen_threshold: int = 64,
+                   window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> "PagedAttentionLayer":
+        """A layer that attends over a packed cache it does not own (``[num_blocks, block_size, Hkv,
+        slot]``, any strides for the first three dims): a serving engine allocates the cache and may
+        hand a new view of it every step (assign ``layer.cache``). No calibration: the cache holds
+        the presets' bytes only."""
+        layer = cls.__new__(cls)
+        num_blocks, block_size, _, slot = cache.shape
+        layer.preset, layer.block_size, layer.dtype = preset, block_size, dtype
+        layer.head_dim = head_dim_for_slot(preset, slot)
+        layer.varlen_threshold = varlen_threshold
+        layer._recipe, layer.transform = None, None
+        layer.window_left = layer.softcap = layer._sinks_source = None
+        layer.set_attention_options(window_left, softcap, sinks, cache.device)
+        layer.cache = cache
+        return layer
 
     def set_attention_options(self, window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                               device=None) -> None:
@@ -234,15 +262,22 @@ class PagedAttentionLayer:
         return out[:, :, 0].to(query.dtype)
 
     def forward(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]: stores the step's K/V, then attends."""
+        if meta.num_decodes == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
+            self._store(key, value, meta.slot_mapping, [])  # positions unknown: no skip_first
+        else:
+            self._store(key, value, meta.slot_mapping, meta.host_bounds()[0], query, scale)
+        return self.attend(query, key, value, meta, scale)
+
+    def attend(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
+        """The attention of ``forward`` over a cache that already holds the step's K/V (a serving
+        engine stores them in a step of its own); ``key``/``value`` are the step's raw K/V, which
+        first prefill chunks attend to."""
         nd = meta.num_decodes
         if nd == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
-            self._store(key, value, meta.slot_mapping, [])  # positions unknown: no skip_first
             return self._decode(query, meta.block_table, meta.seq_lens, scale)
-        starts = meta.query_start_loc.tolist()
-        self._store(key, value, meta.slot_mapping, starts, query, scale)
+        starts, lens = meta.host_bounds()
         out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
-        lens = meta.seq_lens.tolist()
         # Short continuation chunks the packed cache serves in one decode_varlen launch, rows
         # gathered contiguously. The decodes get their own decode launch: decode_varlen picks its
         # kernel by the average chunk, and one-token rows riding along would send long chunks to
