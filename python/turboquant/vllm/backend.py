@@ -42,6 +42,15 @@ def _is_preset(kv_cache_dtype) -> bool:
     return kv_cache_dtype in PRESETS
 
 
+def _slot_error(preset: str, head_size: int) -> str | None:
+    """Why ``preset`` cannot pack heads of ``head_size`` (the library's message), or None."""
+    try:
+        slot_layout(preset, head_size)
+        return None
+    except ValueError as exc:
+        return f"head_size not supported: {exc}"
+
+
 class TurboQuantBackend(AttentionBackend):
     """Replaces vLLM's ``TURBOQUANT`` backend (``turboquant.vllm.register``)."""
 
@@ -87,11 +96,15 @@ class TurboQuantBackend(AttentionBackend):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
-        try:
-            slot_layout(PRESETS[0], head_size)
-            return True
-        except ValueError:
-            return False
+        """Whether some preset takes ``head_size`` (k8v4 takes any multiple of 8; the rotated
+        presets fewer): ``validate_configuration`` checks the layer's own preset."""
+        return any(_slot_error(p, head_size) is None for p in PRESETS)
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype, *args, **kwargs) -> list[str]:
+        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, *args, **kwargs)
+        error = _slot_error(kv_cache_dtype, head_size) if _is_preset(kv_cache_dtype) else None
+        return reasons + ([error] if error and "head_size not supported" not in reasons else [])
 
     @classmethod
     def supports_sink(cls) -> bool:
