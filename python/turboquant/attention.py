@@ -291,9 +291,15 @@ class PagedAttentionLayer:
             elif self.preset is not None and q_len <= self.varlen_threshold:
                 on_packed.append(b)
             else:  # the cached prefix dequantized, then the chunk's own raw K/V
-                k, v = self._dense(meta.block_table[b:b + 1], meta.seq_lens[b:b + 1] - q_len)
-                k = torch.cat([k[0, :cached_before].to(key.dtype), key[s:e]])
-                v = torch.cat([v[0, :cached_before].to(value.dtype), value[s:e]])
+                # With a window, from the block of the first query's window start on: blocks wholly
+                # before it are never attended, and a serving engine frees them (vLLM's sliding-window
+                # layers), so they may hold another sequence's bytes or NaNs that a masked-out
+                # weight of 0 would still turn into NaN.
+                skip = max(0, cached_before - self.window_left) // self.block_size if self.window_left >= 0 else 0
+                kept = cached_before - skip * self.block_size
+                k, v = self._dense(meta.block_table[b:b + 1, skip:], meta.seq_lens[b:b + 1] - q_len - skip * self.block_size)
+                k = torch.cat([k[0, :kept].to(key.dtype), key[s:e]])
+                v = torch.cat([v[0, :kept].to(value.dtype), value[s:e]])
                 out[s:e] = self._sdpa(query[s:e], k, v, scale)
         if nd > 0:
             out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale)

@@ -233,6 +233,31 @@ def test_layer_over_an_engines_cache_attends_as_its_own(preset, head_major, devi
     assert torch.equal(engine_cache, own.cache)
 
 
+@pytest.mark.parametrize("preset", [None, "turboquant_4bit_nc", "turboquant_k8v4"])
+def test_windowed_long_chunk_never_reads_blocks_before_its_window(preset):
+    """An engine frees a sliding-window layer's blocks that lie wholly before the window (vLLM
+    does): a long continuation chunk must attend as before when those blocks hold NaN bytes."""
+    torch.manual_seed(0)
+    bs, hkv, hq, d, window = 16, 2, 8, 64, 23
+    layer = PagedAttentionLayer(16, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8, window_left=window)
+    block_table = torch.arange(16, dtype=torch.int32).view(1, 16)
+    first = _step_meta(block_table, [0], [100], 0, bs)
+    layer.forward(torch.randn(100, hq, d), torch.randn(100, hkv, d), torch.randn(100, hkv, d), first, 0.125)
+    chunk = _step_meta(block_table, [100], [12], 0, bs)  # 12 > varlen_threshold: the dequantized prefix
+    q, k, v = torch.randn(12, hq, d), torch.randn(12, hkv, d), torch.randn(12, hkv, d)
+    clean_cache = layer.cache.clone()
+    expected = layer.forward(q, k, v, chunk, 0.125)
+    layer.cache.copy_(clean_cache)
+    freed = (100 - window) // bs  # blocks 0-3 end before position 100 - 23 = 77
+    if preset is None:
+        layer.cache[:freed] = float("nan")
+    else:
+        layer.cache[:freed] = 0xFF  # fp16 norms and scales of all ones: NaN
+    out = layer.forward(q, k, v, chunk, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_readme_serving_example_runs():
     import os
     import subprocess

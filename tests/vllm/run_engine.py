@@ -1,6 +1,6 @@
 """One vLLM engine on the real model, with one ``--kv-cache-dtype``: what the vLLM tests check, as JSON.
 
-    python tests/vllm/run_engine.py KV_CACHE_DTYPE OUT.json [--windows 2] [--window 1024]
+    python tests/vllm/run_engine.py KV_CACHE_DTYPE OUT.json [--model smollm2-135m] [--windows 2] [--window 1024]
 
 Runs in its own process (vLLM starts an engine core and a worker process of its own, and reads the
 plugin's entry point in each), the way a user's ``LLM(...)`` does. Records:
@@ -43,6 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("kv_cache_dtype")
     p.add_argument("out")
+    p.add_argument("--model", default="smollm2-135m", help="a turboquant.assets model name")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--greedy-tokens", type=int, default=48)
@@ -59,7 +60,7 @@ def main() -> None:
     import turboquant.assets as assets
 
     started = time.time()
-    llm = LLM(model=assets.model_dir(), kv_cache_dtype=a.kv_cache_dtype, dtype="float32",
+    llm = LLM(model=assets.model_dir(a.model), kv_cache_dtype=a.kv_cache_dtype, dtype="float32",
               max_model_len=a.window + 64, enforce_eager=True, max_num_batched_tokens=CHUNK,
               enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
     result = {"kv_cache_dtype": a.kv_cache_dtype, "load_s": time.time() - started}

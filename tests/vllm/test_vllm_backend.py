@@ -199,3 +199,31 @@ def test_greedy_agreement_with_vllms_plain_cache(runs, preset):
     print(f"{preset}: greedy agreement {agree}/{total}")
     assert agree / total >= MIN_AGREEMENT[preset]
     assert runs[preset]["cached_tokens"][2:] == [256, 256, 256], "the shared prefix must come from the cache"
+
+
+def test_sliding_window_model_through_vllm_equals_the_librarys_harness(tmp_path):
+    """Gemma 3 (15 of 18 layers slide over 512 tokens): vLLM frees those layers' blocks behind the
+    window and hands them to other requests, so a chunk must read only its window's blocks (a freed
+    block's bytes turned the perplexity into NaN). One 2048-token window in 256-token chunks, 4bit_nc,
+    against the library's harness, whose sliding layers keep every block."""
+    import torch
+
+    import turboquant.assets as assets
+    from turboquant import evaluation, hf
+    path = tmp_path / "gemma.json"
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "vllm", "run_engine.py"), "turboquant_4bit_nc",
+                           str(path), "--model", "gemma-3-270m", "--windows", "1", "--window", "2048"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    with open(path) as f:
+        run = json.load(f)
+    assert sum(backend == BACKEND for backend, _ in run["backends"].values()) == 18 - 4
+    torch.manual_seed(0)
+    model, tokenizer = assets.load_model(name="gemma-3-270m")
+    ids = tokenizer(assets.text(), return_tensors="pt")["input_ids"]
+    (window,) = evaluation.windows(ids, 2048, 1)
+    kind = lambda: hf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=2, block_size=128)
+    library = evaluation.perplexity([evaluation.serving_nll(model, window, kind, chunk=256)])
+    through_vllm = math.exp(run["nll"] / run["count"])
+    print(f"Gemma 3 270M, 4bit_nc: vLLM {through_vllm:.4f}, library {library:.4f}")
+    assert math.isfinite(through_vllm) and through_vllm == pytest.approx(library, rel=2e-3)
