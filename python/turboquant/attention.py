@@ -126,7 +126,8 @@ class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
                  device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
                  calibration: Calibration | None = None, window_left: int = -1, softcap: float = 0.0,
-                 sinks: torch.Tensor | None = None):
+                 sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None):
+        """``cache``: a packed cache to attend over instead of allocating one (see ``over_cache``)."""
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.varlen_threshold = varlen_threshold
         self._recipe = calibration if preset is not None else None
@@ -139,6 +140,8 @@ class PagedAttentionLayer:
             # store needs no data-dependent indexing (no host sync).
             self._rows = torch.zeros(rows + 1, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
             self.cache = self._rows[:rows].view(num_blocks, block_size, 2, num_kv_heads, head_dim)
+        elif cache is not None:
+            self.cache = cache
         else:
             self.cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, preset, device)
 
@@ -149,16 +152,9 @@ class PagedAttentionLayer:
         slot]``, any strides for the first three dims): a serving engine allocates the cache and may
         hand a new view of it every step (assign ``layer.cache``). No calibration: the cache holds
         the presets' bytes only."""
-        layer = cls.__new__(cls)
-        num_blocks, block_size, _, slot = cache.shape
-        layer.preset, layer.block_size, layer.dtype = preset, block_size, dtype
-        layer.head_dim = head_dim_for_slot(preset, slot)
-        layer.varlen_threshold = varlen_threshold
-        layer._recipe, layer.transform = None, None
-        layer.window_left = layer.softcap = layer._sinks_source = None
-        layer.set_attention_options(window_left, softcap, sinks, cache.device)
-        layer.cache = cache
-        return layer
+        num_blocks, block_size, num_kv_heads, slot = cache.shape
+        return cls(num_blocks, block_size, num_kv_heads, head_dim_for_slot(preset, slot), preset, cache.device, dtype,
+                   varlen_threshold, None, window_left, softcap, sinks, cache=cache)
 
     def set_attention_options(self, window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                               device=None) -> None:

@@ -20,7 +20,7 @@ ops' attention options, so models with them (Gemma 2/3, Mistral, gpt-oss) keep t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -86,7 +86,6 @@ class TurboQuantBackend(AttentionBackend):
         """One packed slot per token and KV head: the preset's aligned slot size."""
         if spec.state_content_bytes is not None or not spec.kv_quant_mode.is_turboquant:
             return spec
-        from dataclasses import replace
         preset = spec.kv_quant_mode.name.lower()  # vLLM's KVQuantMode names are the preset names
         return replace(spec, state_content_bytes=slot_layout(preset, spec.head_size).slot_size_aligned)
 
