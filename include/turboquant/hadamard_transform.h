@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "turboquant/macros.h"
+#include "turboquant/preset.h"
 #include "turboquant/quantize.h"
 
 namespace turboquant {
@@ -37,31 +38,60 @@ TQ_HD constexpr int hadamard_paley_order(int d) {
   return m != 0 && d % m == 0 ? m : 0;
 }
 
-// Row r of H_m as a mask of its -1 entries (m = 12, 20 or 28). Host code: the tables are host
-// constants (the CUDA kernels rotate at D = 64, 128 and 256 only).
+// Row r of H_m as a mask of its -1 entries (m = 12, 20 or 28). Host code: device code reads the rows
+// from a HadamardFactors passed to its kernel.
 inline uint32_t paley_row(int m, int r) {
   return m == 12 ? kPaley12[r] : m == 20 ? kPaley20[r] : kPaley28[r];
 }
 
+// H_D = H_m (x) H_{2^k} as a transform reads it: m blocks of `block` = 2^k contiguous elements, and
+// H_m's rows (masks of their -1 entries; none for m = 1).
+struct HadamardFactors {
+  int m = 0;
+  int block = 0;
+  uint32_t rows[kMaxPaleyOrder] = {};
+};
+
+inline HadamardFactors hadamard_factors(int d) {
+  HadamardFactors f;
+  f.m = hadamard_paley_order(d);
+  f.block = f.m > 0 ? d / f.m : 0;
+  for (int r = 0; f.m > 1 && r < f.m; ++r) f.rows[r] = paley_row(f.m, r);
+  return f;
+}
+
+// Butterfly t (0 <= t < d / 2) of a Sylvester stage of span h: it combines elements i and i + h with
+// i the t-th index whose bit h is clear. Blocks of 2^k are multiples of 2h, so no butterfly
+// straddles two blocks: the stage of H_{2^k} on every block at once.
+TQ_HD int sylvester_butterfly_index(int t, int h) { return (t / h) * 2 * h + t % h; }
+
+// Element i of the H_m stage over x (the blocks already Sylvester-transformed): the sum over the
+// blocks c = 0, 1, ... in order of +-x[c * block + b], (a, b) = (i / block, i % block), the sign
+// from H_m's row a. Adds and subtracts only, in this order, so every caller gets the same floats.
+template <typename T>
+TQ_HD T paley_stage_element(const T* x, const HadamardFactors& f, int i) {
+  const int a = i / f.block, b = i - a * f.block;
+  const uint32_t row = f.rows[a];
+  T acc = (row & 1u) ? -x[b] : x[b];
+  for (int c = 1; c < f.m; ++c) {
+    const T e = x[c * f.block + b];
+    acc = ((row >> c) & 1u) ? acc - e : acc + e;
+  }
+  return acc;
+}
+
 // Unnormalized x := H_D x for d = m * 2^k (hadamard_paley_order(d) = m != 0): Sylvester's transform
-// of each of the m contiguous blocks of 2^k elements (fwht_inplace's butterflies), then, at each
-// offset in a block, H_m across the blocks, each output the sum over the blocks in order (adds and
-// subtracts only, so every implementation that keeps this order gets the same floats).
+// of each of the m contiguous blocks of 2^k elements (fwht_inplace's butterflies), then the H_m
+// stage (paley_stage_element). The CUDA kernels that rotate at other head_dims than 64, 128 and
+// 256 (kernels/generic_head_dim.cu) run the same two steps a warp at a time.
 template <typename T>
 void hadamard_transform_inplace(T* x, int d) {
-  const int m = hadamard_paley_order(d), block = d / m;
-  for (int a = 0; a < m; ++a) fwht_inplace(x + a * block, block);
-  if (m == 1) return;
-  T column[kMaxPaleyOrder];
-  for (int b = 0; b < block; ++b) {
-    for (int a = 0; a < m; ++a) column[a] = x[a * block + b];
-    for (int a = 0; a < m; ++a) {
-      const uint32_t row = paley_row(m, a);
-      T acc = (row & 1u) ? -column[0] : column[0];
-      for (int c = 1; c < m; ++c) acc = ((row >> c) & 1u) ? acc - column[c] : acc + column[c];
-      x[a * block + b] = acc;
-    }
-  }
+  const HadamardFactors f = hadamard_factors(d);
+  for (int a = 0; a < f.m; ++a) fwht_inplace(x + a * f.block, f.block);
+  if (f.m == 1) return;
+  T blocks[kMaxHeadDim];
+  for (int i = 0; i < d; ++i) blocks[i] = x[i];
+  for (int i = 0; i < d; ++i) x[i] = paley_stage_element(blocks, f, i);
 }
 
 }  // namespace turboquant
