@@ -69,18 +69,19 @@ SHAPES = {  # (B, Hq, Hkv, L)
 HEAD_DIM, BLOCK_SIZE = 128, 16
 
 
-def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_major=False, shuffled=True):
+def build_cache(preset, b, hkv, length, gen_seed=0, block_size=BLOCK_SIZE, head_major=False, shuffled=True,
+                head_dim=HEAD_DIM):
     """A randomly filled packed cache (written by store_kv) and its block table (shuffled blocks
     unless shuffled=False)."""
     blocks_per_seq = length // block_size
     num_blocks = b * blocks_per_seq
-    cache = tq.allocate_kv_cache(num_blocks, block_size, hkv, HEAD_DIM, preset, "cuda", head_major=head_major)
+    cache = tq.allocate_kv_cache(num_blocks, block_size, hkv, head_dim, preset, "cuda", head_major=head_major)
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
     chunk = 65536
     for start in range(0, num_blocks * block_size, chunk):
         n = min(chunk, num_blocks * block_size - start)
-        k = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(n, hkv, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(n, hkv, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
         tq.store_kv(k, v, cache, torch.arange(start, start + n, device="cuda"), preset)
     order = torch.randperm(num_blocks, device="cuda", generator=g) if shuffled else torch.arange(num_blocks, device="cuda")
     return cache, order.view(b, blocks_per_seq).int()
@@ -95,16 +96,16 @@ def with_table_tokens(cache_and_table, tokens):
     return cache, table
 
 
-def sdpa_best(b, hq, hkv, length):
+def sdpa_best(b, hq, hkv, length, head_dim=HEAD_DIM):
     """Best SDPA bf16 over the cuDNN, flash and efficient backends (GQA without expanding K/V when
     the backend allows it). Returns (eager us, its backend, graph-replay us, its backend, that
     backend's graph replays, which keep their inputs) from one pass; a backend that cannot be captured
     counts for eager only. Enough input sets to defeat the L2."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sets = []
-    for _ in range(copies_to_defeat_l2(2 * b * hkv * length * HEAD_DIM * 2)):
-        q = torch.randn(b, hq, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(b, hkv, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    for _ in range(copies_to_defeat_l2(2 * b * hkv * length * head_dim * 2)):
+        q = torch.randn(b, hq, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, length, head_dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         sets.append((q, k, v))
     best, best_graph, best_replays = (float("inf"), "none"), (float("inf"), "none"), None

@@ -66,6 +66,7 @@ static int plan_per_head_splits(DecodeParams& p, int capacity) {
 // Decodes with attention options (windows, soft-capping, sinks) take the per-head kernel, the one
 // that implements them; the row and chunked kernels serve plain causal attention.
 DecodeKernel choose_decode_kernel(const DecodeParams& p) {
+  if (!cuda_supports_head_dim(p.layout)) return DecodeKernel::kGeneric;
   if (p.has_attention_options()) return DecodeKernel::kHeads;
   if (use_chunked_varlen(p)) return DecodeKernel::kChunked;
   return decode_rows_supports(p) ? DecodeKernel::kRows : DecodeKernel::kHeads;
@@ -81,7 +82,12 @@ void choose_decode_splits(DecodeParams& p, DecodeKernel kernel) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
-  if (kernel == DecodeKernel::kChunked) {  // 2 CTAs per SM (shared memory, 128 registers)
+  if (kernel == DecodeKernel::kGeneric) {  // one CTA per (row, query head, split), several per SM
+    const int busy = p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, 1);
+    p.num_splits = std::min(default_num_splits(busy, p.num_q_heads, windowed_context(max_context, p.window, 1),
+                                               device_sm_count() * kGenericCtasPerSm),
+                            kMaxPlannedSplits);
+  } else if (kernel == DecodeKernel::kChunked) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));
     p.num_splits =
         std::min(default_num_splits(busy, p.cache.num_kv_heads, max_context, device_sm_count() * 2), kMaxPlannedSplits);
@@ -118,6 +124,7 @@ cudaError_t launch_decode(const DecodeParams& p, DecodeKernel kernel, cudaStream
   if (p.num_splits < 1 || p.num_splits > kMaxDecodeSplits) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_q_heads == 0 || p.query_rows == 0) return cudaSuccess;
   if (kernel == DecodeKernel::kChunked) return launch_decode_chunked(p, stream);
+  if (kernel == DecodeKernel::kGeneric) return launch_decode_generic(p, stream);
   if (decode_query_chunks(p) > 65535) return cudaErrorInvalidConfiguration;  // grid y (the row kernel: z)
   if (kernel == DecodeKernel::kRows) return launch_decode_rows(p, stream);
   if (p.query_start_loc == nullptr && forced_decode_kernel() == 2 && !p.has_attention_options()) {

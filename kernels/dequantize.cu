@@ -81,7 +81,9 @@ struct DequantizeLaunch {
 }  // namespace
 
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
-  if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
+  if (!cuda_supports_head_dim(p.layout)) {
+    return cuda_generic_supports(p.layout) ? launch_dequantize_generic(p, stream) : cudaErrorInvalidValue;
+  }
   return dispatch_slot_kernel(p.dtype, p.layout, DequantizeLaunch{p, stream});
 }
 

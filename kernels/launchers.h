@@ -88,8 +88,16 @@ struct DequantizeParams {
   Codebook codebook;
 };
 
-// Head dims the kernels are compiled for (FP8 keys also 96: no rotation needed).
+// Head dims the tiled kernels are compiled for: 64, 128, 256 (FP8 keys also 96: no rotation needed).
 bool cuda_supports_head_dim(const SlotLayout& layout);
+// Every other head dim a preset takes runs on the generic kernels (generic_head_dim.cu): one
+// instantiation per element type for all of them, the CPU's per-element rules, a warp per vector.
+bool cuda_generic_supports(const SlotLayout& layout);
+constexpr int kGenericCtasPerSm = 4;  // the generic decode's 4-warp CTAs resident per SM (113 registers a thread on sm_90)
+cudaError_t launch_store_kv_generic(const StoreParams& p, cudaStream_t stream);
+cudaError_t launch_dequantize_generic(const DequantizeParams& p, cudaStream_t stream);
+int decode_generic_query_chunks(const DecodeParams& p);  // grid x: sequences, or varlen rows + batch
+cudaError_t launch_decode_generic(const DecodeParams& p, cudaStream_t stream);
 
 // Multiprocessors of the current device (132 if it cannot be asked).
 int device_sm_count();
@@ -118,9 +126,10 @@ bool smem_carveout_max_requested();
 
 // The kernel that serves a decode, from its shapes alone (decode_plan.cu): the chunked kernel for
 // varlen queries with enough columns per chunk, the row-staged kernel where it supports and is
-// preferred for the shape, else the per-head kernel. Chosen once per call; the split plan, the
-// workspace query and the launch all take the choice, so they cannot disagree.
-enum class DecodeKernel { kHeads, kRows, kChunked };
+// preferred for the shape, else the per-head kernel; the generic kernel for head dims without
+// tiles. Chosen once per call; the split plan, the workspace query and the launch all take the
+// choice, so they cannot disagree.
+enum class DecodeKernel { kHeads, kRows, kChunked, kGeneric };
 DecodeKernel choose_decode_kernel(const DecodeParams& p);
 // The library's split plan for these shapes on the current device: sets p.num_splits and, where
 // the per-head kernel serves p, p.split_waves (each row's share of the grid by its context).

@@ -11,6 +11,7 @@
 # | bench           | benchmarks/bench_store.py + bench_decode.py (RESULTS.md tables) |                                    |
 # | generate        | benchmarks/bench_generate.py: transformers' generate, TurboQuantCache vs default cache | GENERATE_ARGS, GENERATE_TIMEOUT (300) |
 # | options         | benchmarks/bench_options.py: windowed decode vs plain over the window; softcap, sinks |       |
+# | head_dims       | benchmarks/bench_head_dims.py: the generic kernels (D = 96, 160) and the tiled ones (128) vs SDPA |  |
 # | short           | bench_decode.py, short contexts (4bit_nc, k8v4)           |                                          |
 # | serving         | benchmarks/bench_serving.py: a serving engine's block tables | SERVING_ARGS, SERVING_TIMEOUT (300)   |
 # | continuation    | benchmarks/bench_continuation.py, both varlen kernels     |                                          |
@@ -108,6 +109,9 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   # the sink in split 0's epilogue, both merges.
   sanitize options_memcheck memcheck "cuda and not graph and not refuses" tests/python/test_attention_options.py &
   sanitize options_racecheck racecheck "cuda_decode_options and 4bit" tests/python/test_attention_options.py &
+  # The generic kernels (head dims without tiles): their shared-memory vectors and warp transforms.
+  sanitize generic_memcheck memcheck "(96 or 160 or 8-) and not graph" tests/python/test_cuda_head_dims.py &
+  sanitize generic_racecheck racecheck "(store or decode_matches) and (96 or 160)" tests/python/test_cuda_head_dims.py &
 fi
 if has tests; then
   mark_step tests
@@ -128,7 +132,8 @@ if has sanitize || has race_control; then
   echo "== racecheck control (exit $?): $(grep -E '^ring' "$OUT/ring_racecheck.log") | $(grep -E 'RACECHECK SUMMARY' "$OUT/ring_racecheck.log" | tail -1)"
 fi
 if has sanitize; then
-  for t in memcheck racecheck synccheck rows_memcheck rows_racecheck options_memcheck options_racecheck; do
+  for t in memcheck racecheck synccheck rows_memcheck rows_racecheck options_memcheck options_racecheck generic_memcheck \
+    generic_racecheck; do
     echo "== compute-sanitizer $t: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$t.log" | tail -1) | $(grep -E 'passed|failed' "$OUT/sanitize_$t.log" | tail -1) | $(tail -1 "$OUT/sanitize_$t.log")"
     grep -q "exit=0" "$OUT/sanitize_$t.log" || status=1
   done
@@ -152,6 +157,12 @@ if has options; then  # sliding window vs a plain decode over the window; softca
   timeout 300 "$PYTHON" benchmarks/bench_options.py --out "$OUT/options.md" > "$OUT/bench_options.log" 2>&1 \
     || { status=1; tail -20 "$OUT/bench_options.log"; }
   cat "$OUT/options.md"
+fi
+if has head_dims; then  # the generic kernels' cost next to the tiled ones
+  mark_step head_dims
+  timeout 400 "$PYTHON" benchmarks/bench_head_dims.py --out "$OUT/head_dims.md" > "$OUT/bench_head_dims.log" 2>&1 \
+    || { status=1; tail -20 "$OUT/bench_head_dims.log"; }
+  cat "$OUT/head_dims.md"
 fi
 if has short; then  # the short-context shapes and tables only (one and 16 decode steps per graph)
   mark_step short
