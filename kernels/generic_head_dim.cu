@@ -24,6 +24,7 @@
 #include "turboquant/numeric.h"
 #include "turboquant/packing.h"
 #include "turboquant/query_chunks.h"
+#include "turboquant/slot_codec.h"
 
 namespace turboquant {
 namespace {
@@ -33,12 +34,7 @@ constexpr int kGenericThreads = kGenericWarps * 32;
 constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
 
 __device__ __forceinline__ float half_field(const uint8_t* slot, int offset) {
-  return half_bits_to_float(static_cast<uint16_t>(slot[offset] | (slot[offset + 1] << 8)));
-}
-
-__device__ __forceinline__ void write_half_field(uint8_t* slot, int offset, uint16_t bits) {
-  slot[offset] = static_cast<uint8_t>(bits & 0xff);
-  slot[offset + 1] = static_cast<uint8_t>(bits >> 8);
+  return half_bits_to_float(load_half_field(slot, offset));
 }
 
 // Unnormalized x := H_D x by one warp, x and scratch in shared memory (d floats each): the
@@ -111,7 +107,7 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
       __syncwarp();
       if (lane == 0) {
         const float stored = p.norm_correction ? norm / sqrtf(sum_of_squares_lane_order(scratch, d)) : norm;
-        write_half_field(slot, L.key_norm_offset, key_norm_half_bits(stored));
+        store_half_field(slot, L.key_norm_offset, key_norm_half_bits(stored));
       }
     }
     float vmin = INFINITY, vmax = -INFINITY;  // fminf / fmaxf pass NaN over, as the CPU's fmin / fmax
@@ -131,8 +127,8 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
       pack_group_of_8(codes, L.value_bits, value_field + g * L.value_bits);
     }
     if (lane == 0) {
-      write_half_field(slot, L.value_scale_offset, q.scale_bits);
-      write_half_field(slot, L.value_zero_offset, q.zero_bits);
+      store_half_field(slot, L.value_scale_offset, q.scale_bits);
+      store_half_field(slot, L.value_zero_offset, q.zero_bits);
       if (L.slot_size_aligned > L.slot_size) slot[L.slot_size] = 0;  // padding byte
     }
     __syncwarp();  // k and scratch are reused by the warp's next vector

@@ -29,11 +29,12 @@ void decode_key(const uint8_t* slot, const SlotLayout& layout, const Codebook* c
 // Value: code * scale + zero.
 void decode_value(const uint8_t* slot, const SlotLayout& layout, float* out);
 
-// Reads/writes a little-endian binary16 field at a byte offset of a slot.
-inline uint16_t load_half_field(const uint8_t* slot, int offset) {
+// Reads/writes a little-endian binary16 field at a byte offset of a slot (slots are only 2-byte
+// aligned, so byte by byte; the generic CUDA kernels use them too).
+TQ_HD uint16_t load_half_field(const uint8_t* slot, int offset) {
   return static_cast<uint16_t>(slot[offset] | (slot[offset + 1] << 8));
 }
-inline void store_half_field(uint8_t* slot, int offset, uint16_t bits) {
+TQ_HD void store_half_field(uint8_t* slot, int offset, uint16_t bits) {
   slot[offset] = static_cast<uint8_t>(bits & 0xff);
   slot[offset + 1] = static_cast<uint8_t>(bits >> 8);
 }
