@@ -10,8 +10,9 @@
 // dequantize returns the CPU's floats. Decode keeps an online softmax per warp over its tokens, a
 // lane holding dims lane, lane + 32, ...; splits of a long context merge through the workspace and
 // the split merge like the tiled kernels'. The attention options (windows, soft-capping, sinks)
-// apply as in the per-head kernel. What this costs against the tiled kernels is measured in
-// benchmarks/RESULTS.md ("Head dims without tiles").
+// apply as in the per-head kernel. Simpler than the tiled kernels: decode reads each slot once per
+// query head (not once per GQA group) and does not overlap loads with math;
+// benchmarks/bench_head_dims.py times it against SDPA on the same shapes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
