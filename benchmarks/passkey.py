@@ -2,12 +2,13 @@
 the plain cache (SmolLM2-135M finds 3-9 of 20 keys with it, too few to tell the presets apart).
 
     python benchmarks/passkey.py [--model qwen2.5-coder-0.5b] [--lengths 2048 4096] [--trials 10]
-                                 [--out benchmarks/RESULTS.md]
+                                 [--presets ...] [--section passkey] [--out benchmarks/RESULTS.md]
 
 Protocol of turboquant/evaluation.py: a 5-digit key at a random depth of the text, the context
 prefilled once with transformers' plain cache and loaded into each cache (calibrated caches fit
 their transformations on it), the question fed as a later chunk, 8 tokens decoded greedily from the
-cache; the first and last two layers stay plain. Writes the ``passkey`` section of RESULTS.md.
+cache; the first and last two layers stay plain. Writes the ``passkey`` section of RESULTS.md (or
+the one ``--section`` names: long contexts take a run, and a section, of their own).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from calibration import ensure_model  # noqa: E402
 from speed import replace_section  # noqa: E402
 
 
-def kinds(model) -> dict:
+def kinds(model, presets) -> dict:
     out = {"plain": DynamicCache}
-    for preset in tq.PRESETS:
+    for preset in presets:
         short = preset.replace("turboquant_", "")
         out[short] = lambda p=preset: tqhf.TurboQuantCache(model.config, preset=p)
         out[short + " calibrated"] = lambda p=preset: tqhf.TurboQuantCache(model.config, preset=p, calibrate=True)
@@ -47,13 +48,15 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", choices=assets.MODEL_NAMES)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--presets", nargs="+", choices=list(tq.PRESETS), default=list(tq.PRESETS))
+    p.add_argument("--section", default="passkey", help="the RESULTS.md section the table replaces")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
     ensure_model(a.model)
     started = time.time()
     model, tokenizer = assets.load_model(name=a.model)
     text = assets.text()
-    caches = kinds(model)
+    caches = kinds(model, a.presets)
     hits = {name: {n: 0 for n in a.lengths} for name in caches}
     for n in a.lengths:
         rng = random.Random(n)
@@ -73,9 +76,10 @@ def main() -> None:
              "| cache | " + " | ".join(f"{n} tokens" for n in a.lengths) + " |",
              "|---|" + "---|" * len(a.lengths)]
     lines += [f"| {name} | " + " | ".join(f"{hits[name][n]}/{a.trials}" for n in a.lengths) + " |" for name in caches]
-    body = "\n".join(["## Passkey retrieval on a model that retrieves", "", *lines])
+    title = f"## Passkey retrieval on a model that retrieves, {min(a.lengths):,}-{max(a.lengths):,} tokens"
+    body = "\n".join([title, "", *lines])
     print(body)
-    replace_section(a.out, "passkey", body, "benchmarks/passkey.py")
+    replace_section(a.out, a.section, body, "benchmarks/passkey.py")
 
 
 if __name__ == "__main__":
