@@ -100,8 +100,9 @@ struct Partial {
 // The decode of checked arguments: one query row per block-table row and length (a.batch of them).
 // Each row reads the positions its window leaves it (all of [0, seq_len) without one), split into
 // `splits` ranges; soft-capping applies to each score, and the sinks join the merge as one more
-// partial result per head, of log-sum-exp `sink` and no value.
-at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+// partial result per head, of log-sum-exp `sink` and no value. Returns the output and each (row,
+// head)'s log-sum-exp of its scores (natural log, fp32; -inf where it attends to nothing).
+std::tuple<at::Tensor, at::Tensor> run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                           const at::Tensor& seq_lens, const DecodeArgs& a, double scale, int64_t num_splits,
                           const AttentionOptions& options) {
   const int d = a.layout.head_dim;
@@ -186,18 +187,26 @@ at::Tensor run_decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, c
   at::Tensor weights = at::exp(partial_lse - finite_max);  // exp(-inf) = 0 for empty splits
   at::Tensor denom = weights.sum(2, /*keepdim=*/true).clamp_min(1e-30);
   at::Tensor out = (partial_out * (weights / denom).unsqueeze(-1)).sum(2);
-  return to_output_dtype(out, query.scalar_type());
+  return {to_output_dtype(out, query.scalar_type()), at::logsumexp(partial_lse, 2)};
 }
 
-at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
-                      const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      c10::string_view preset, double scale, int64_t num_splits, int64_t window_left,
-                      double softcap, const std::optional<at::Tensor>& sinks) {
+std::tuple<at::Tensor, at::Tensor> decode_lse_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
+                                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                                  c10::string_view preset, double scale, int64_t num_splits,
+                                                  int64_t window_left, double softcap,
+                                                  const std::optional<at::Tensor>& sinks) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens,
                                          std::string(preset), num_splits);
   const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   return run_decode_cpu(query, kv_cache, block_table, seq_lens, a, scale, num_splits, options);
+}
+
+at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
+                      int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
+  return std::get<0>(
+      decode_lse_cpu(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left, softcap, sinks));
 }
 
 // Multi-token queries: each query row is one decode row with its sequence's block-table row and
@@ -231,7 +240,7 @@ at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache
   }
   DecodeArgs rows = a;
   rows.batch = total_q;
-  return run_decode_cpu(query, kv_cache, row_tables, row_lens, rows, scale, num_splits, options);
+  return std::get<0>(run_decode_cpu(query, kv_cache, row_tables, row_lens, rows, scale, num_splits, options));
 }
 
 void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -287,6 +296,7 @@ std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache, co
 TORCH_LIBRARY_IMPL(turboquant, CPU, m) {
   m.impl("store_kv", &store_kv_cpu);
   m.impl("decode", &decode_cpu);
+  m.impl("decode_lse", &decode_lse_cpu);
   m.impl("decode_varlen", &decode_varlen_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("dequantize_into", &dequantize_into_cpu);

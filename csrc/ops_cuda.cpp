@@ -81,9 +81,13 @@ void check_cuda_decode_inputs(const at::Tensor& query, const at::Tensor& kv_cach
 }
 
 // One launch of the decode kernel (plus the split merge). query_start_loc undefined: plain decode.
+// With `lse`, also each (row, head)'s log-sum-exp (natural log), from the splits' own: the call then
+// takes a kernel that writes one per split (the per-head or the generic one) and at least the splits
+// that go through the workspace (3 for the per-head kernel, whose 2 merge inside a cluster).
 at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const DecodeArgs& a,
-                           double scale, int64_t num_splits, const AttentionOptions& options) {
+                           double scale, int64_t num_splits, const AttentionOptions& options,
+                           at::Tensor* lse = nullptr) {
   const bool varlen = query_start_loc.defined();
   const c10::cuda::CUDAGuard guard(query.device());
   // Varlen rows outside every sequence's range are never written: zeros.
@@ -106,11 +110,17 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.window = options.window;
   p.softcap = static_cast<float>(options.softcap);
   p.sinks = options.sinks.defined() ? options.sinks.data_ptr<float>() : nullptr;
-  const DecodeKernel kernel = choose_decode_kernel(p);
+  DecodeKernel kernel = choose_decode_kernel(p);
+  if (lse != nullptr && kernel != DecodeKernel::kGeneric) kernel = DecodeKernel::kHeads;
   if (num_splits > 0) {
     p.num_splits = static_cast<int>(num_splits);  // as asked: every sequence is divided into that many
   } else {
     choose_decode_splits(p, kernel);
+  }
+  const int lse_splits = kernel == DecodeKernel::kGeneric ? 2 : 3;
+  if (lse != nullptr && p.num_splits < lse_splits) {
+    p.num_splits = lse_splits;
+    p.split_waves = SplitWaves{};  // every row divided into them
   }
   at::Tensor partial_out, partial_lse;
   if (decode_uses_split_workspace(p, kernel)) {  // not where one split or a cluster merge needs none
@@ -127,18 +137,40 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   TQ_CHECK(err != cudaErrorInvalidConfiguration, "turboquant: decode_varlen supports at most 65535 query chunks ",
               "(query rows / tokens per CTA + batch); got ", query.size(0), " query rows in ", a.batch, " sequences");
   check_launch(err, varlen ? "decode_varlen" : "decode");
+  constexpr float kLn2 = 0.6931471805599453f;  // the splits' log-sum-exps are in the log2 domain
+  if (lse != nullptr) *lse = at::logsumexp(partial_lse * kLn2, 2);
   return out;
 }
 
-at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
-                       int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
+// decode and decode_lse: `lse` null for decode.
+at::Tensor checked_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                               const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
+                               int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+                               at::Tensor* lse) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
   const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
   check_cuda_decode_inputs(query, kv_cache, a);
   TQ_CHECK(a.batch <= 65535, "turboquant: CUDA decode supports a batch of at most 65535 sequences, got ", a.batch);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
-  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options);
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options, lse);
+}
+
+at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
+                       int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
+  return checked_decode_cuda(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left, softcap,
+                             sinks, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_lse_cuda(const at::Tensor& query, const at::Tensor& kv_cache,
+                                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                                   c10::string_view preset, double scale, int64_t num_splits,
+                                                   int64_t window_left, double softcap,
+                                                   const std::optional<at::Tensor>& sinks) {
+  at::Tensor lse;
+  at::Tensor out = checked_decode_cuda(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left,
+                                       softcap, sinks, &lse);
+  return {out, lse};
 }
 
 // query_start_loc's values are read on the device (clamped into the query's rows, never a host
@@ -199,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor> dequantize_cuda(const at::Tensor& kv_cache, c
 TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
   m.impl("store_kv", &store_kv_cuda);
   m.impl("decode", &decode_cuda);
+  m.impl("decode_lse", &decode_lse_cuda);
   m.impl("decode_varlen", &decode_varlen_cuda);
   m.impl("dequantize", &dequantize_cuda);
   m.impl("dequantize_into", &dequantize_into_cuda);

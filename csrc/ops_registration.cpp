@@ -11,6 +11,13 @@ TORCH_LIBRARY(turboquant, m) {
   m.def(
       "decode(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, str preset, "
       "float scale, int num_splits=0, int window_left=-1, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+  // decode, and each (sequence, query head)'s log-sum-exp of its attended scores (natural log, fp32
+  // [batch, num_q_heads], the sink included; -inf where nothing is attended): the weight to merge
+  // this attention with one over other keys (a few tokens kept exact, a shared prefix).
+  m.def(
+      "decode_lse(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, str preset, "
+      "float scale, int num_splits=0, int window_left=-1, float softcap=0.0, Tensor? sinks=None) "
+      "-> (Tensor, Tensor)");
   // Several query tokens per sequence (continuation chunks, speculative verification):
   // query [total_q, Hq, D], query_start_loc int32 [batch + 1]; query row i of sequence b attends
   // to positions < seq_len_b - q_len_b + 1 + i. Rows outside every sequence's range are zeros.

@@ -51,16 +51,22 @@ _OPTIONS_DOC = """
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            preset: str, scale: float, num_splits: int = 0, *, window_left: int = -1, softcap: float = 0.0,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, return_lse: bool = False):
     """One decode step of attention over the packed cache.
 
     ``query [B, Hq, D]``; ``block_table [B, max_blocks] int32``; ``seq_lens [B] int32``. Query head
     ``h`` reads KV head ``h // (Hq / Hkv)``. Returns ``[B, Hq, D]`` in the query's dtype;
     ``softmax(scale * q k~^T) v~`` over positions ``[0, seq_len)``; zeros where ``seq_len == 0``.
     ``num_splits=0`` lets the library choose a split-KV count from the shapes only.
+
+    ``return_lse=True`` returns ``(out, lse)``: ``lse [B, Hq]`` fp32 is the natural log of the
+    softmax's denominator (the sink included; ``-inf`` where nothing is attended), the weight that
+    merges this attention with one over other keys (``turboquant::decode_lse``; on CUDA it takes the
+    per-head kernel with at least 3 splits, or the generic one with 2, whose splits report theirs).
     """
-    return torch.ops.turboquant.decode(query, kv_cache, block_table, seq_lens, preset, float(scale),
-                                       int(num_splits), int(window_left), float(softcap), sinks)
+    args = (query, kv_cache, block_table, seq_lens, preset, float(scale), int(num_splits), int(window_left),
+            float(softcap), sinks)
+    return torch.ops.turboquant.decode_lse(*args) if return_lse else torch.ops.turboquant.decode(*args)
 
 
 def decode_varlen(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -118,6 +124,12 @@ def _dequantize_into_fake(kv_cache, block_table, seq_lens, preset, key_out, valu
 def _decode_fake(query, kv_cache, block_table, seq_lens, preset, scale, num_splits=0, window_left=-1, softcap=0.0,
                  sinks=None):
     return torch.empty_like(query)
+
+
+@torch.library.register_fake("turboquant::decode_lse")
+def _decode_lse_fake(query, kv_cache, block_table, seq_lens, preset, scale, num_splits=0, window_left=-1, softcap=0.0,
+                     sinks=None):
+    return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("turboquant::decode_varlen")

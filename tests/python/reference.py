@@ -183,6 +183,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _option_scores(query, keys, seq_lens, q_lens, scale, window_left=-1, softcap=0.0, sinks=None):
+    """Per query row in order: its float64 logits [Hq, t] over the positions it sees (soft-capped,
+    each head's sink appended as one more column) and those positions' slice, or None where it sees
+    nothing (the rules of attention_options_reference)."""
+    row = 0
+    group = query.shape[1] // keys.shape[2]
+    for b, (n, m) in enumerate(zip([int(x) for x in seq_lens], q_lens)):
+        k = keys[b].to(torch.float64).repeat_interleave(group, dim=1)
+        for i in range(m):
+            q = query[row].to(torch.float64)
+            row += 1
+            end = min(max(n - m + 1 + i, 0), n)  # positions < end are causal
+            start = max(end - 1 - window_left, 0) if window_left >= 0 else 0
+            if end <= start:
+                yield (None if sinks is None else sinks.to(torch.float64)[:, None]), b, slice(start, start)
+                continue
+            s = torch.einsum("hd,thd->ht", q, k[start:end]) * scale
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            if sinks is not None:
+                s = torch.cat([s, sinks.to(torch.float64)[:, None]], dim=1)
+            yield s, b, slice(start, end)
+
+
 def attention_options_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens, q_lens,
                                 scale: float, window_left: int = -1, softcap: float = 0.0,
                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,24 +215,23 @@ def attention_options_reference(query: torch.Tensor, keys: torch.Tensor, values:
     sequence b is at position p = seq_len_b - q_len_b + i and sees positions [p - window_left, p]
     (all of [0, p] for window_left < 0); logits s = scale * q.k, soft-capped to softcap * tanh(s / softcap);
     each head's sink logit joins the softmax and carries no value. Zeros where nothing is seen."""
-    out, row = [], 0
+    out = []
     group = query.shape[1] // keys.shape[2]
-    for b, (n, m) in enumerate(zip([int(x) for x in seq_lens], q_lens)):
-        k = keys[b].to(torch.float64).repeat_interleave(group, dim=1)
-        v = values[b].to(torch.float64).repeat_interleave(group, dim=1)
-        for i in range(m):
-            q = query[row].to(torch.float64)
-            row += 1
-            end = min(max(n - m + 1 + i, 0), n)  # positions < end are causal
-            start = max(end - 1 - window_left, 0) if window_left >= 0 else 0
-            if end <= start:
-                out.append(torch.zeros_like(q))
-                continue
-            s = torch.einsum("hd,thd->ht", q, k[start:end]) * scale
-            if softcap > 0:
-                s = softcap * torch.tanh(s / softcap)
-            if sinks is not None:
-                s = torch.cat([s, sinks.to(torch.float64)[:, None]], dim=1)
-            p = s.softmax(-1)[:, :end - start]
-            out.append(torch.einsum("ht,thd->hd", p, v[start:end]))
+    for s, b, seen in _option_scores(query, keys, seq_lens, q_lens, scale, window_left, softcap, sinks):
+        if seen.stop <= seen.start:
+            out.append(torch.zeros(query.shape[1:], dtype=torch.float64))
+            continue
+        v = values[b, seen].to(torch.float64).repeat_interleave(group, dim=1)
+        p = s.softmax(-1)[:, :seen.stop - seen.start]
+        out.append(torch.einsum("ht,thd->hd", p, v))
     return torch.stack(out)
+
+
+def log_sum_exp_reference(query: torch.Tensor, keys: torch.Tensor, seq_lens, q_lens, scale: float, window_left: int = -1,
+                          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [total_q, Hq]: the log of each row's softmax denominator under the same rules (the sink
+    included), -inf where the row sees nothing."""
+    rows = []
+    for s, _, _ in _option_scores(query, keys, seq_lens, q_lens, scale, window_left, softcap, sinks):
+        rows.append(torch.full((query.shape[1],), -math.inf, dtype=torch.float64) if s is None else s.logsumexp(-1))
+    return torch.stack(rows)

@@ -28,6 +28,7 @@ def test_opcheck_store_decode_dequantize():
     torch.library.opcheck(torch.ops.turboquant.decode_varlen.default, (q, cache, bt, sl, starts, P, 0.125, 2))
     sinks = torch.randn(4)  # the attention options: window, softcap, sinks
     torch.library.opcheck(torch.ops.turboquant.decode.default, (q, cache, bt, sl, P, 0.125, 2, 5, 1.5, sinks))
+    torch.library.opcheck(torch.ops.turboquant.decode_lse.default, (q, cache, bt, sl, P, 0.125, 2, 5, 1.5, sinks))
     torch.library.opcheck(torch.ops.turboquant.decode_varlen.default,
                           (q, cache, bt, sl, starts, P, 0.125, 0, 5, 1.5, sinks))
     torch.library.opcheck(torch.ops.turboquant.dequantize.default, (cache, bt, sl, P, torch.float32),
