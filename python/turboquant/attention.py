@@ -23,6 +23,12 @@ A layer built with attention options (``window_left``, ``softcap``, ``sinks``: s
 eager attention in fp32 where soft-capping or sinks are set (SDPA has neither). Calibration keeps
 only the transformations that stay exact under them (``Calibration.exact_for``).
 
+A layer built with ``exact_recent=R`` also keeps each sequence's last R raw K/V beside the packed
+cache (``turboquant.recent``): decode steps attend to the older positions on the packed cache and
+to the last R exactly, merged by their log-sum-exps; continuation chunks get them put back into
+their dequantized prefix (they take that path at every length). Its steps name their sequences
+(``StepMetadata.sequence_ids``).
+
 A pure-decode step (every sequence decodes one token) makes no host synchronisation, for either
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables
 and slot mappings written into the captured tensors.
@@ -47,6 +53,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .cache import allocate_kv_cache
 from .calibration import Calibration, KVTransform, fit
 from .ops import decode, decode_varlen, dequantize, head_dim_for_slot, store_kv
+from .recent import RecentTokens, merge_by_lse
 
 
 @dataclass
@@ -64,6 +71,10 @@ class StepMetadata:
     # then reads its chunk bounds without copying them back from the GPU.
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # Each sequence's id [B] int64 among num_sequences, stable across steps: what per-sequence state
+    # beside the cache (a layer's exact recent tokens) is kept by.
+    sequence_ids: torch.Tensor | None = None
+    num_sequences: int = 0
 
     def host_bounds(self) -> tuple[list[int], list[int]]:
         """(query_start_loc, seq_lens) as host ints."""
@@ -126,9 +137,12 @@ class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
                  device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
                  calibration: Calibration | None = None, window_left: int = -1, softcap: float = 0.0,
-                 sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None):
-        """``cache``: a packed cache to attend over instead of allocating one (see ``over_cache``)."""
+                 sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None, exact_recent: int = 0):
+        """``cache``: a packed cache to attend over instead of allocating one (see ``over_cache``).
+        ``exact_recent``: the last this many tokens of each sequence attend exactly (module docstring)."""
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
+        self.recent = (RecentTokens(exact_recent, num_kv_heads, head_dim, dtype, device)
+                       if exact_recent != 0 and preset is not None else None)
         self.varlen_threshold = varlen_threshold
         self._recipe = calibration if preset is not None else None
         self.transform: KVTransform | None = None  # fitted on the first store when calibrating
@@ -215,6 +229,48 @@ class PagedAttentionLayer:
                 key, value = self.transform.keys(key), self.transform.values(value)
             store_kv(key, value, self.cache, slot_mapping, self.preset)
 
+    def _store_recent(self, key, value, meta: StepMetadata) -> None:
+        """The step's tokens into the rings of exact recent tokens (a no-op without them)."""
+        if self.recent is None:
+            return
+        if meta.sequence_ids is None:
+            raise ValueError("turboquant: a layer with exact_recent needs steps that name their sequences "
+                             "(StepMetadata.sequence_ids and num_sequences; turboquant.hf gives them)")
+        self.recent.reserve(meta.num_sequences)
+        rows = meta.seq_lens.shape[0]
+        stored = meta.slot_mapping >= 0
+        if meta.num_decodes == rows:  # one token per sequence, at its last position
+            sequence, position = meta.sequence_ids, meta.seq_lens.long() - 1
+        else:
+            starts, _ = meta.host_bounds()
+            counts = torch.tensor([starts[i + 1] - starts[i] for i in range(rows)], device=key.device)
+            row = torch.repeat_interleave(torch.arange(rows, device=key.device), counts)
+            length = meta.seq_lens.long().index_select(0, row)
+            chunk_end = meta.query_start_loc.long()[1:].index_select(0, row)
+            position = length - (chunk_end - torch.arange(starts[-1], device=key.device))
+            sequence = meta.sequence_ids.index_select(0, row)
+            # Only a sequence's last `count` tokens enter its ring: they take distinct entries
+            # (index_put keeps an unspecified one of several writes to one entry).
+            stored = stored[:starts[-1]] & (position >= length - self.recent.count)
+        tokens = position.shape[0]
+        self.recent.store(key[:tokens], value[:tokens], sequence, position, stored)
+
+    def store(self, key, value, meta: StepMetadata) -> None:
+        """Stores a step's K/V without attending (a cache filled from another one)."""
+        self._store(key, value, meta.slot_mapping, meta.host_bounds()[0])
+        self._store_recent(key, value, meta)
+
+    def refill_recent(self, block_table: torch.Tensor, seq_lens: list[int]) -> None:
+        """After positions were forgotten (a crop): sequence id ``i`` (``block_table`` row ``i``) keeps
+        its positions ``< seq_lens[i]``, and the ring entries it lost come back from its packed
+        cache, so its last ``exact_recent`` positions are all in the ring again (those few packed)."""
+        if self.recent is None:
+            return
+        self.recent.forget_from(seq_lens)
+        keys, values = self._dense(block_table, torch.tensor(seq_lens, dtype=torch.int32, device=block_table.device))
+        for sequence, length in enumerate(seq_lens):
+            self.recent.refill(sequence, keys[sequence, :length], values[sequence, :length], length)
+
     def _dense(self, block_table, seq_lens):
         """Dense K, V [B, W * block_size, Hkv, D] for the given sequences."""
         if self.preset is None:
@@ -242,8 +298,28 @@ class PagedAttentionLayer:
             out = dense_attention(q4, k4, v4, mask, scale, self.softcap, self.sinks)
         return out[0].transpose(0, 1)
 
-    def _decode(self, query, block_table, seq_lens, scale):
+    def _decode_with_recent(self, query, block_table, seq_lens, scale, sequence):
+        """``_decode`` with exact recent tokens: positions ``[0, L - R)`` on the packed cache (with
+        its log-sum-exp), the last R from the ring, merged. The packed call's window is the layer's
+        less R, so that it still starts at the query's ``L - 1 - window_left``."""
+        r, window = self.recent.count, self.window_left
+        packed_lens = (seq_lens - r).clamp_min(0).to(seq_lens.dtype)
+        packed_window = window - r if window >= 0 else -1
+        if window >= 0 and packed_window < 0:  # the whole window lies among the exact tokens
+            packed_lens, packed_window = torch.zeros_like(packed_lens), -1
+        q = query if self.transform is None else self.transform.query(query)
+        out, lse = decode(q, self.cache, block_table, packed_lens, self.preset, scale, window_left=packed_window,
+                          softcap=self.softcap, sinks=self.sinks, return_lse=True)
+        if self.transform is not None:
+            out = self.transform.output(out, attended=packed_lens > 0)
+            lse = lse + scale * self.transform.logit_shift(query)
+        exact_out, exact_lse = self.recent.attend(query, sequence, seq_lens, scale, window, self.softcap)
+        return merge_by_lse(out, lse, exact_out, exact_lse).to(query.dtype)
+
+    def _decode(self, query, block_table, seq_lens, scale, sequence=None):
         """One new token per sequence, query [B, Hq, D], without host synchronisation."""
+        if self.recent is not None:
+            return self._decode_with_recent(query, block_table, seq_lens, scale, sequence)
         if self.preset is not None:
             if self.transform is None:
                 return decode(query, self.cache, block_table, seq_lens, self.preset, scale, **self._options)
@@ -263,6 +339,7 @@ class PagedAttentionLayer:
             self._store(key, value, meta.slot_mapping, [])  # positions unknown: no skip_first
         else:
             self._store(key, value, meta.slot_mapping, meta.host_bounds()[0], query, scale)
+        self._store_recent(key, value, meta)
         return self.attend(query, key, value, meta, scale)
 
     def attend(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
@@ -271,7 +348,7 @@ class PagedAttentionLayer:
         first prefill chunks attend to."""
         nd = meta.num_decodes
         if nd == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
-            return self._decode(query, meta.block_table, meta.seq_lens, scale)
+            return self._decode(query, meta.block_table, meta.seq_lens, scale, meta.sequence_ids)
         starts, lens = meta.host_bounds()
         out = torch.zeros_like(query)  # rows past the last sequence (a padded batch): zeros, as decode_varlen
         # Short continuation chunks the packed cache serves in one decode_varlen launch, rows
@@ -284,7 +361,7 @@ class PagedAttentionLayer:
             q_len, cached_before = e - s, lens[b] - (e - s)
             if cached_before == 0:  # first chunk: raw K/V, causal
                 out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale)
-            elif self.preset is not None and q_len <= self.varlen_threshold:
+            elif self.preset is not None and q_len <= self.varlen_threshold and self.recent is None:
                 on_packed.append(b)
             else:  # the cached prefix dequantized, then the chunk's own raw K/V
                 # With a window, from the block of the first query's window start on: blocks wholly
@@ -294,11 +371,15 @@ class PagedAttentionLayer:
                 skip = max(0, cached_before - self.window_left) // self.block_size if self.window_left >= 0 else 0
                 kept = cached_before - skip * self.block_size
                 k, v = self._dense(meta.block_table[b:b + 1, skip:], meta.seq_lens[b:b + 1] - q_len - skip * self.block_size)
-                k = torch.cat([k[0, :kept].to(key.dtype), key[s:e]])
-                v = torch.cat([v[0, :kept].to(value.dtype), value[s:e]])
+                k, v = k[0, :kept], v[0, :kept]
+                if self.recent is not None:
+                    self.recent.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)
+                k = torch.cat([k.to(key.dtype), key[s:e]])
+                v = torch.cat([v.to(value.dtype), value[s:e]])
                 out[s:e] = self._sdpa(query[s:e], k, v, scale)
         if nd > 0:
-            out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale)
+            sequence = None if meta.sequence_ids is None else meta.sequence_ids[:nd]
+            out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale, sequence)
         if on_packed:
             rows = [r for b in on_packed for r in range(starts[b], starts[b + 1])]
             loc = [0]

@@ -336,6 +336,76 @@ def test_beam_search_reorders_the_packed_cache(smollm):
     assert len(set(blocks[0]) | set(blocks[1]) | set(blocks[2])) == sum(len(b) for b in blocks)  # no block shared
 
 
+# ---- exact recent tokens (exact_recent) ----------------------------------------------------------
+def _left_padded_prompts(lengths=(5, 37, 20)):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 256, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_exact_recent_over_the_whole_context_generates_as_the_plain_cache(preset):
+    """With every position among the exact ones, a left-padded batch's greedy generation (its
+    logits at every step) is the plain cache's: the rings, the merge with the (empty) packed part
+    and the padding rows are right."""
+    from transformers import LlamaConfig
+    model = _tiny(LlamaConfig)
+    ids, mask = _left_padded_prompts()
+    plain = _generate(model, ids, mask, cache=DynamicCache(), steps=20)
+    cache = tqhf.TurboQuantCache(model.config, preset=preset, boundary_skip_layers=1, exact_recent=64)
+    ours = _generate(model, ids, mask, cache=cache, steps=20)
+    assert torch.equal(plain.sequences, ours.sequences)
+    for a, b in zip(plain.logits, ours.logits):
+        assert ((a - b).norm() / a.norm()).item() < 1e-5
+
+
+def test_exact_recent_loses_less_than_packing_every_token():
+    """Fewer exact tokens than the context: the last 16 raw, the rest 3-bit packed, is closer to the
+    plain cache than all 3-bit packed (teacher-forced logits over 24 steps after a 60-token prompt).
+    A random model has no local heads, so the gain is small here (14 %); a wrong merge would make it
+    a loss. The gain on real models is benchmarks/exact_tokens.py's."""
+    from transformers import LlamaConfig
+    model = _tiny(LlamaConfig)
+    ids = torch.randint(1, 256, (1, 84), generator=torch.Generator().manual_seed(5))
+
+    def logits(cache):
+        with torch.no_grad():
+            model(ids[:, :60], **_cache(cache), use_cache=True)
+            return torch.stack([model(ids[:, t:t + 1], **_cache(cache), use_cache=True).logits[0, -1]
+                                for t in range(60, 84)])
+    plain = logits(DynamicCache())
+    error = lambda cache: ((logits(cache) - plain).norm() / plain.norm()).item()
+    packed = error(tqhf.TurboQuantCache(model.config, preset="turboquant_3bit_nc", boundary_skip_layers=0))
+    recent = error(tqhf.TurboQuantCache(model.config, preset="turboquant_3bit_nc", boundary_skip_layers=0,
+                                        exact_recent=16))
+    assert recent < 0.95 * packed, (recent, packed)
+
+
+def test_exact_recent_follows_beam_reordering_and_crop():
+    """Rings follow their sequences when beams reorder (every position exact: the plain cache's
+    beams), and after a crop each sequence's last positions are back in its ring."""
+    from transformers import LlamaConfig
+    model = _tiny(LlamaConfig)
+    ids = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=10, num_beams=3, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, **kw)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=1, exact_recent=64)
+    assert torch.equal(plain, model.generate(ids, **_cache(cache), **kw))
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=1, exact_recent=8)
+    with torch.no_grad():
+        model(ids, **_cache(cache), use_cache=True)
+        for t in range(6):
+            model(torch.tensor([[t + 1]]), **_cache(cache), use_cache=True)
+    cache.crop(-5)  # 18 -> 13 positions: 5..9 had been overwritten by 13..17 (mod 8) and come back packed
+    for i in cache.quantized_layers:
+        ring = cache.layers[i].attention.recent
+        assert sorted(ring.positions[0].tolist()) == list(range(5, 13))
+
+
 # ---- other architectures and dtypes -------------------------------------------------------------
 @pytest.mark.parametrize("config_cls", [Qwen2Config, MistralConfig])
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16),

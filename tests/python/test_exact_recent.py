@@ -1,0 +1,99 @@
+"""Exact recent tokens (``exact_recent``, turboquant.recent): each sequence's last R positions attend
+with their raw K/V, the older ones on the packed cache, on every path of a step (decodes merged
+by log-sum-exp, continuation chunks over a dequantized prefix with the raw ones put back), with
+the attention options and calibration; against float64 attention over exactly those K/V."""
+
+import pytest
+import torch
+
+import turboquant as tq
+from turboquant.attention import PagedAttentionLayer, StepMetadata
+from turboquant.calibration import Calibration
+from turboquant.recent import merge_by_lse
+from reference import attention_options_reference, rel_err
+
+BS, HKV, HQ, D, SCALE, R = 16, 2, 8, 64, 0.125, 8
+OPTIONS = {
+    "plain": {},
+    "window": {"window_left": 12},  # reaches past the exact tokens
+    "short_window": {"window_left": 5},  # lies among them
+    "softcap": {"softcap": 1.0},
+    "sinks": {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(2))},
+}
+CALIBRATED = Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0, measure=False)
+
+
+def _meta(block_table, prev, new, decodes):
+    starts, slots = [0], []
+    for b, (p, n) in enumerate(zip(prev, new)):
+        starts.append(starts[-1] + n)
+        slots += [int(block_table[b, t // BS]) * BS + t % BS for t in range(p, p + n)]
+    return StepMetadata(torch.tensor(starts, dtype=torch.int32), torch.tensor([p + n for p, n in zip(prev, new)],
+                        dtype=torch.int32), block_table, torch.tensor(slots), decodes,
+                        sequence_ids=torch.arange(len(prev)), num_sequences=len(prev))
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("calibration", [None, CALIBRATED])
+def test_every_path_attends_to_the_last_positions_exactly(preset, option, calibration):
+    torch.manual_seed(0)
+    options = OPTIONS[option]
+    layer = PagedAttentionLayer(32, BS, HKV, D, preset, dtype=torch.float32, varlen_threshold=8,
+                                calibration=calibration, exact_recent=R, **options)
+    block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
+    offset = 3 * torch.randn(HKV, D)
+    raw_k, raw_v = torch.zeros(4, 128, HKV, D), torch.zeros(4, 128, HKV, D)
+    steps = []
+    # first chunks; 2 decodes + a short and a long continuation (both over the dequantized prefix);
+    # a pure decode step
+    for prev, new, decodes in (([0, 0, 0, 0], [20, 5, 40, 30], 0), ([20, 5, 40, 30], [1, 1, 5, 12], 2),
+                               ([21, 6, 45, 42], [1, 1, 1, 1], 4)):
+        meta = _meta(block_table, prev, new, decodes)
+        t = sum(new)
+        q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D) * 2 + offset, torch.randn(t, HKV, D)
+        starts = meta.query_start_loc.tolist()
+        for b in range(4):
+            raw_k[b, prev[b]:prev[b] + new[b]], raw_v[b, prev[b]:prev[b] + new[b]] = k[starts[b]:starts[b + 1]], v[starts[b]:starts[b + 1]]
+        steps.append((meta, q, layer.forward(q, k, v, meta, SCALE)))
+    keys, values = tq.dequantize(layer.cache, block_table, steps[-1][0].seq_lens, preset, torch.float32)
+    if layer.transform is not None:
+        keys, values = layer.transform.restore(keys, values)
+    for i, (meta, q, out) in enumerate(steps):
+        starts = meta.query_start_loc.tolist()
+        for b in range(4):
+            s, e = starts[b], starts[b + 1]
+            n = int(meta.seq_lens[b])
+            kb, vb = keys[b, :n].double().clone(), values[b, :n].double().clone()
+            exact = slice(max(n - R, 0), n) if i > 0 else slice(0, n)  # the ring; a first chunk: all raw
+            kb[exact], vb[exact] = raw_k[b, exact].double(), raw_v[b, exact].double()
+            if e - s > 1:  # a continuation chunk attends to its own raw K/V too
+                kb[n - (e - s):], vb[n - (e - s):] = raw_k[b, n - (e - s):n].double(), raw_v[b, n - (e - s):n].double()
+            ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], SCALE, **options)
+            assert rel_err(out[s:e], ref) < 1e-5, (i, b)
+
+
+def test_merge_by_lse_is_attention_over_the_union():
+    g = torch.Generator().manual_seed(0)
+    s, v = torch.randn(3, 4, 10, generator=g), torch.randn(3, 4, 10, 5, generator=g)
+    whole = torch.einsum("bhn,bhnd->bhd", s.softmax(-1), v)
+    part = lambda sl: (torch.einsum("bhn,bhnd->bhd", s[..., sl].softmax(-1), v[..., sl, :]), s[..., sl].logsumexp(-1))
+    merged = merge_by_lse(*part(slice(0, 7)), *part(slice(7, 10)))
+    torch.testing.assert_close(merged, whole, rtol=1e-6, atol=1e-6)
+    empty = (torch.zeros(3, 4, 5), torch.full((3, 4), float("-inf")))
+    torch.testing.assert_close(merge_by_lse(*empty, *part(slice(0, 10))), whole, rtol=1e-6, atol=1e-6)
+    assert merge_by_lse(*empty, *empty).eq(0).all()  # nothing on either side: zeros, as the ops give
+
+
+def test_a_layer_with_exact_recent_needs_the_steps_sequence_ids():
+    layer = PagedAttentionLayer(4, BS, HKV, D, "turboquant_4bit_nc", dtype=torch.float32, exact_recent=4)
+    meta = _meta(torch.arange(4, dtype=torch.int32).view(1, 4), [0], [3], 0)
+    meta.sequence_ids = None
+    with pytest.raises(ValueError, match="exact_recent needs steps that name their sequences"):
+        layer.forward(torch.randn(3, HQ, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D), meta, SCALE)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True])
+def test_bad_exact_recent_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="exact_recent must be an int >= 0"):
+        PagedAttentionLayer(4, BS, HKV, D, "turboquant_4bit_nc", exact_recent=bad)
