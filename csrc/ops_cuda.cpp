@@ -138,7 +138,12 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
               "(query rows / tokens per CTA + batch); got ", query.size(0), " query rows in ", a.batch, " sequences");
   check_launch(err, varlen ? "decode_varlen" : "decode");
   constexpr float kLn2 = 0.6931471805599453f;  // the splits' log-sum-exps are in the log2 domain
-  if (lse != nullptr) *lse = at::logsumexp(partial_lse * kLn2, 2);
+  if (lse != nullptr) {
+    *lse = at::logsumexp(partial_lse * kLn2, 2);
+    // The per-head kernel adds a head's sink in split 0's epilogue, which a row with no position
+    // to attend (empty, or its window past the context) never runs: its log-sum-exp is the sink's.
+    if (options.sinks.defined()) *lse = at::where(at::isneginf(*lse), options.sinks.view({1, -1}), *lse);
+  }
   return out;
 }
 
