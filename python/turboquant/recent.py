@@ -19,7 +19,8 @@ import torch
 class RecentTokens:
     """Rings of the last ``count`` raw K/V per sequence id: ``keys``/``values`` ``[S + 1, count, Hkv, D]``
     and ``positions [S + 1, count]`` (the position each entry holds, -1 for none); the last row takes
-    the writes of tokens that are not stored (padding), so a store needs no host synchronisation."""
+    the writes of tokens that do not enter a ring (padding, or older than their sequence's last
+    ``count`` in a long chunk), so a store needs no host synchronisation."""
 
     def __init__(self, count: int, num_kv_heads: int, head_dim: int, dtype, device):
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
