@@ -34,8 +34,9 @@ Codebook codebook_for(const Preset& preset, int head_dim) {
   return preset.key_format == KeyFormat::kLloydMax ? gaussian_codebook(preset.key_bits, head_dim) : Codebook{};
 }
 
-// Every layout the presets take has a kernel (the tiled ones or the generic ones); this guards
-// the launchers' contract, not a user-facing limit.
+// Decode and dequantize have a kernel for every layout the presets take (the tiled ones or the
+// generic ones); this guards the launchers' contract, not a user-facing limit. The store checks
+// its own, narrower list (store_kv_cuda).
 void check_cuda_head_dim(const SlotLayout& layout) {
   TQ_CHECK(cuda_supports_head_dim(layout) || cuda_generic_supports(layout), "turboquant: no CUDA kernel for head_dim ",
            layout.head_dim);
