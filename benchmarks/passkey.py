@@ -76,7 +76,8 @@ def main() -> None:
              "| cache | " + " | ".join(f"{n} tokens" for n in a.lengths) + " |",
              "|---|" + "---|" * len(a.lengths)]
     lines += [f"| {name} | " + " | ".join(f"{hits[name][n]}/{a.trials}" for n in a.lengths) + " |" for name in caches]
-    title = f"## Passkey retrieval on a model that retrieves, {min(a.lengths):,}-{max(a.lengths):,} tokens"
+    span = f"{min(a.lengths):,}" + (f"-{max(a.lengths):,}" if max(a.lengths) > min(a.lengths) else "")
+    title = f"## Passkey retrieval on a model that retrieves, {span} tokens"
     body = "\n".join([title, "", *lines])
     print(body)
     replace_section(a.out, a.section, body, "benchmarks/passkey.py")
