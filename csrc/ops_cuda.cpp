@@ -34,9 +34,8 @@ Codebook codebook_for(const Preset& preset, int head_dim) {
   return preset.key_format == KeyFormat::kLloydMax ? gaussian_codebook(preset.key_bits, head_dim) : Codebook{};
 }
 
-// Decode and dequantize have a kernel for every layout the presets take (the tiled ones or the
-// generic ones); this guards the launchers' contract, not a user-facing limit. The store checks
-// its own, narrower list (store_kv_cuda).
+// Every op has a kernel for every layout the presets take (the tiled ones or the generic ones);
+// this guards the launchers' contract, not a user-facing limit.
 void check_cuda_head_dim(const SlotLayout& layout) {
   TQ_CHECK(cuda_supports_head_dim(layout) || cuda_generic_supports(layout), "turboquant: no CUDA kernel for head_dim ",
            layout.head_dim);
@@ -49,9 +48,7 @@ void check_launch(cudaError_t err, const char* op) {
 void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                    const at::Tensor& slot_mapping, c10::string_view preset) {
   const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
-  TQ_CHECK(cuda_supports_head_dim(a.layout), "turboquant: the CUDA store takes head_dim 64, 128 and 256 (and 96 for ",
-           "turboquant_k8v4), got ", a.layout.head_dim, " with ", a.preset->name,
-           "; other head_dims store on the CPU (decode and dequantize on CUDA take them)");
+  check_cuda_head_dim(a.layout);
   if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
   TQ_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
   TQ_CHECK(reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,

@@ -1,20 +1,18 @@
-// The decode and dequantize for head dims without a tiled instantiation (every head_dim the presets
-// take but 64, 128, 256 and FP8 keys' 96): the rotated presets at 80, 96, 112, 160, 192 (H_m (x)
-// H_{2^k}, a dense stage across the Sylvester blocks) and FP8 keys at any multiple of 8. The head
-// dim is a runtime value, so one instantiation per element type serves them all and the build stays
-// the size it was.
+// The kernels for head dims without a tiled instantiation (every head_dim the presets take but 64,
+// 128, 256 and FP8 keys' 96): the rotated presets at 80, 96, 112, 160, 192 (H_m (x) H_{2^k}, a dense
+// stage across the Sylvester blocks) and FP8 keys at any multiple of 8. The head dim is a runtime
+// value, so one instantiation per element type serves them all and the build stays the size it was.
 //
-// One warp per vector (dequantize) or per query row and head (decode), shared memory for the
-// vectors, and the CPU reference's per-element rules called as they are (quantize.h, packing.h,
-// numeric.h, the rotation's two steps in hadamard_transform.h), so dequantize returns the CPU's
-// floats. Decode keeps an online softmax per warp over its tokens, a lane holding dims lane, lane +
-// 32, ...; splits of a long context merge through the workspace and the split merge like the tiled
-// kernels'. The attention options (windows, soft-capping, sinks) apply as in the per-head kernel.
-// Both passed their CUDA tests on an H100 (tests/python/test_cuda_head_dims.py). Decode is simple
-// and slow: it reads each slot once per query head (not once per GQA group) and does not overlap
-// loads with math, 25-50x the time of SDPA on a bf16 cache of the same shape (benchmarks/RESULTS.md,
-// "Head dims without tiles"). A store kernel of the same design wrote key norms that differ from
-// the CPU's on the GPU (the key indices agreed), so the CUDA store still refuses these head dims.
+// One warp per vector (store, dequantize) or per query row and head (decode), shared memory for
+// the vectors, and the CPU reference's per-element rules called as they are (quantize.h,
+// packing.h, numeric.h, the rotation's two steps in hadamard_transform.h), so the store writes the
+// CPU's bytes exactly (no rounding allowance: the same operations in the same order) and
+// dequantize returns the CPU's floats. Decode keeps an online softmax per warp over its tokens, a
+// lane holding dims lane, lane + 32, ...; splits of a long context merge through the workspace and
+// the split merge like the tiled kernels'. The attention options (windows, soft-capping, sinks)
+// apply as in the per-head kernel. Simpler than the tiled kernels: decode reads each slot once per
+// query head (not once per GQA group) and does not overlap loads with math;
+// benchmarks/bench_head_dims.py times it against SDPA on the same shapes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,6 +60,80 @@ __device__ void warp_hadamard(float* x, float* scratch, int d, const HadamardFac
 
 __device__ __forceinline__ uint8_t* slot_address(const CacheView& c, int64_t block, int token_in_block, int head) {
   return c.data + block * c.stride_block + static_cast<int64_t>(token_in_block) * c.stride_token + head * c.stride_head;
+}
+
+// ---- store: one warp per (token, KV head) vector, encode_slot's steps (csrc/slot_codec.cpp).
+template <typename T>
+__global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const StoreParams p, const HadamardFactors f,
+                                                                           const float rsqrt_d) {
+  extern __shared__ float smem[];  // [kGenericWarps][2][D]
+  const int d = p.layout.head_dim, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* k = smem + warp * 2 * d;
+  float* scratch = k + d;
+  const SlotLayout& L = p.layout;
+  const bool fp8 = L.key_format == KeyFormat::kFp8;
+  const int heads = p.cache.num_kv_heads;
+  const int64_t vectors = p.num_tokens * heads;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kGenericWarps;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kGenericWarps + warp; item < vectors; item += step) {
+    const int64_t token = item / heads;
+    const int head = static_cast<int>(item % heads);
+    const int64_t slot_index = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[token]
+                                                    : static_cast<const int32_t*>(p.slot_mapping)[token];
+    if (slot_index < 0 || slot_index >= p.cache.num_blocks * p.cache.block_size) continue;  // warp-uniform
+    uint8_t* slot = slot_address(p.cache, slot_index / p.cache.block_size,
+                                 static_cast<int>(slot_index % p.cache.block_size), head);
+    const T* key = static_cast<const T*>(p.key) + item * d;
+    const T* value = static_cast<const T*>(p.value) + item * d;
+    if (fp8) {
+      for (int i = lane; i < d; i += 32) slot[i] = float_to_fp8_e4m3(device::to_float(key[i]));
+    } else {
+      for (int i = lane; i < d; i += 32) k[i] = device::to_float(key[i]);
+      __syncwarp();
+      const float norm = __shfl_sync(device::kFullMask, lane == 0 ? sqrtf(sum_of_squares_lane_order(k, d)) : 0.0f, 0);
+      const float denom = norm + kKeyNormEpsilon;
+      for (int i = lane; i < d; i += 32) k[i] = k[i] / denom;
+      __syncwarp();
+      warp_hadamard(k, scratch, d, f, lane);
+      // Lane l packs the groups of 8 indices l, l + 32, ... and keeps their centroids for the
+      // norm correction.
+      for (int g = lane; g < d / 8; g += 32) {
+        uint8_t idx[8];
+        for (int r = 0; r < 8; ++r) {
+          idx[r] = static_cast<uint8_t>(lloyd_max_index(k[8 * g + r] * rsqrt_d, p.codebook.midpoint, p.codebook.levels));
+          scratch[8 * g + r] = p.codebook.centroid[idx[r]];
+        }
+        pack_group_of_8(idx, L.key_bits, slot + g * L.key_bits);
+      }
+      __syncwarp();
+      if (lane == 0) {
+        const float stored = p.norm_correction ? norm / sqrtf(sum_of_squares_lane_order(scratch, d)) : norm;
+        store_half_field(slot, L.key_norm_offset, key_norm_half_bits(stored));
+      }
+    }
+    float vmin = INFINITY, vmax = -INFINITY;  // fminf / fmaxf pass NaN over, as the CPU's fmin / fmax
+    for (int i = lane; i < d; i += 32) {
+      const float v = device::to_float(value[i]);
+      vmin = fminf(vmin, v);
+      vmax = fmaxf(vmax, v);
+    }
+    vmin = device::group_min(vmin);
+    vmax = device::group_max(vmax);
+    if (vmin > vmax) vmin = vmax = NAN;  // every element NaN: the CPU's fmin chain gives NaN
+    const ValueQuantParams q = value_quant_params(vmin, vmax, L.value_bits);
+    uint8_t* const value_field = slot + L.value_data_offset;
+    for (int g = lane; g < d / 8; g += 32) {
+      uint8_t codes[8];
+      for (int r = 0; r < 8; ++r) codes[r] = static_cast<uint8_t>(value_code(device::to_float(value[8 * g + r]), q, L.value_bits));
+      pack_group_of_8(codes, L.value_bits, value_field + g * L.value_bits);
+    }
+    if (lane == 0) {
+      store_half_field(slot, L.value_scale_offset, q.scale_bits);
+      store_half_field(slot, L.value_zero_offset, q.zero_bits);
+      if (L.slot_size_aligned > L.slot_size) slot[L.slot_size] = 0;  // padding byte
+    }
+    __syncwarp();  // k and scratch are reused by the warp's next vector
+  }
 }
 
 // ---- dequantize: one warp per (sequence, position, KV head), decode_key / decode_value's steps.
@@ -244,7 +316,7 @@ cudaError_t by_element_type(ElementType type, bool allow_float, const Launch& la
 float rsqrt_head_dim(int d) { return 1.0f / sqrtf(static_cast<float>(d)); }  // the CPU's expression
 
 // Dynamic shared memory stays under the 48 KB that needs no opt-in at every head dim up to
-// kMaxHeadDim (1024): dequantize 2 x 4 x D floats (32 KB), decode (2 + 4) D + 8 (24.6 KB).
+// kMaxHeadDim (1024): the store and dequantize 2 x 4 x D floats (32 KB), decode (2 + 4) D + 8 (24.6 KB).
 int vector_smem_bytes(int d) { return kGenericWarps * 2 * d * static_cast<int>(sizeof(float)); }
 int decode_smem_bytes(int d) { return (2 * d + kGenericWarps * (d + 2)) * static_cast<int>(sizeof(float)); }
 
@@ -254,6 +326,19 @@ bool cuda_generic_supports(const SlotLayout& layout) {
   const int d = layout.head_dim;
   return d > 0 && d % 8 == 0 && d <= kMaxHeadDim &&
          (layout.key_format == KeyFormat::kFp8 || hadamard_paley_order(d) != 0);
+}
+
+cudaError_t launch_store_kv_generic(const StoreParams& p, cudaStream_t stream) {
+  const int64_t vectors = p.num_tokens * p.cache.num_kv_heads;
+  if (vectors == 0) return cudaSuccess;
+  // A grid-stride loop over the vectors: 16 CTAs of 4 warps per SM at most.
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((vectors + kGenericWarps - 1) / kGenericWarps,
+                                                          static_cast<int64_t>(device_sm_count()) * 16)));
+  const int d = p.layout.head_dim, smem = vector_smem_bytes(d);
+  const HadamardFactors f = hadamard_factors(d);
+  return by_element_type(p.dtype, true, [&](auto element) {
+    store_kv_generic_kernel<decltype(element)><<<grid, kGenericThreads, smem, stream>>>(p, f, rsqrt_head_dim(d));
+  });
 }
 
 cudaError_t launch_dequantize_generic(const DequantizeParams& p, cudaStream_t stream) {

@@ -90,11 +90,11 @@ struct DequantizeParams {
 
 // Head dims the tiled kernels are compiled for: 64, 128, 256 (FP8 keys also 96: no rotation needed).
 bool cuda_supports_head_dim(const SlotLayout& layout);
-// Every other head dim a preset takes decodes and dequantizes on the generic kernels
-// (generic_head_dim.cu): one instantiation per element type for all of them, the CPU's per-element
-// rules, a warp per vector; the store at those head dims is not on CUDA yet.
+// Every other head dim a preset takes runs on the generic kernels (generic_head_dim.cu): one
+// instantiation per element type for all of them, the CPU's per-element rules, a warp per vector.
 bool cuda_generic_supports(const SlotLayout& layout);
 constexpr int kGenericCtasPerSm = 4;  // the generic decode's 4-warp CTAs resident per SM (113 registers a thread on sm_90)
+cudaError_t launch_store_kv_generic(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_dequantize_generic(const DequantizeParams& p, cudaStream_t stream);
 int decode_generic_query_chunks(const DecodeParams& p);  // grid x: sequences, or varlen rows + batch
 cudaError_t launch_decode_generic(const DecodeParams& p, cudaStream_t stream);

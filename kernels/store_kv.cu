@@ -519,7 +519,9 @@ bool cuda_supports_head_dim(const SlotLayout& layout) {
 
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
   if (p.cache.block_size <= 0 || (p.cache.block_size & (p.cache.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  if (!cuda_supports_head_dim(p.layout)) return cudaErrorInvalidValue;
+  if (!cuda_supports_head_dim(p.layout)) {
+    return cuda_generic_supports(p.layout) ? launch_store_kv_generic(p, stream) : cudaErrorInvalidValue;
+  }
   const bool fp8 = p.layout.key_format == KeyFormat::kFp8;
   // The kernel's binary search takes 2^key_bits levels from its template: the codebook must agree.
   if (!fp8 && p.codebook.levels != (1 << p.layout.key_bits)) return cudaErrorInvalidValue;

@@ -36,9 +36,18 @@ TQ_HD float bits_float(uint32_t u) {
 }
 
 // float -> binary16 bits, round to nearest even (overflow -> inf, NaN kept).
+// On the GPU the bits come out of a packed pair (cvt.rn.f16x2.f32, the other half zero) rather
+// than __float2half_rn: ptxas (CUDA 13) compiles `cvt.rn.f16.f32` followed by a byte store of the
+// result's low byte as F2I.U8.F16, the half's value converted to an integer, so a store writing a
+// slot's fp16 field byte by byte (store_half_field) wrote the norm's integer part as its low byte
+// (the generic store's byte tests in tests/python/test_cuda_head_dims.py, on an H100; the SASS of
+// kernels/generic_head_dim.cu showed the F2I.U8.F16). NaN is written as the CPU writes it.
 TQ_HD uint16_t float_to_half_bits(float f) {
 #if defined(__CUDA_ARCH__)
-  return __half_as_ushort(__float2half_rn(f));
+  if (f != f) return static_cast<uint16_t>(((float_bits(f) >> 16) & 0x8000u) | 0x7e00u);  // the CPU's NaN
+  uint32_t pair;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(0.0f), "f"(f));  // f's half in the low 16 bits
+  return static_cast<uint16_t>(pair & 0xffffu);
 #else
   const uint32_t x = float_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;

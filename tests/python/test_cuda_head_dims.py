@@ -1,8 +1,8 @@
 """CUDA ops at the head dims without tiled kernels (kernels/generic_head_dim.cu): the rotated presets at
 80, 96, 112, 160, 192 (H_m (x) H_{2^k}) and small and large powers of two, FP8 keys at any multiple
-of 8. Caches stored on the CPU (the CUDA store refuses these head dims); dequantize returns the
-CPU's floats, decode and decode_varlen, with every attention option and split count, the CPU's
-attention. Skipped (saying why) without a GPU."""
+of 8. The store writes the CPU's bytes exactly (the same per-element rules in the same order),
+dequantize returns the CPU's floats, decode and decode_varlen, with every attention option and
+split count, the CPU's attention. Skipped (saying why) without a GPU."""
 
 import pytest
 import torch
@@ -29,15 +29,46 @@ def _cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
-@pytest.mark.parametrize("preset, head_dim", [("turboquant_4bit_nc", 96), ("turboquant_k8v4", 80)])
-def test_cuda_store_refuses_head_dims_without_tiles_naming_the_supported_ones(preset, head_dim):
-    """Caches at these head dims are stored on the CPU (the tests below copy them to the GPU): a
-    generic store kernel wrote key norms unlike the CPU's on an H100, so none serves them yet."""
-    cache = tq.allocate_kv_cache(2, BLOCK, 1, head_dim, preset, "cuda")
-    x = torch.randn(3, 1, head_dim, device="cuda")
-    with pytest.raises(RuntimeError, match=f"CUDA store takes head_dim 64, 128 and 256.*got {head_dim}"):
-        tq.store_kv(x, x, cache, torch.arange(3, device="cuda"), preset)
-    assert cache.eq(0).all()  # nothing written
+@pytest.mark.parametrize("preset, head_dim", CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_store_writes_the_cpus_bytes(preset, head_dim, dtype, head_major):
+    """Every byte equal to the CPU's, including the untouched ones around the written slots (a
+    poisoned cache), with padding, out-of-range and skipped slots in the mapping."""
+    g = torch.Generator().manual_seed(head_dim)
+    n, heads, blocks = 150, 3, 16
+    key = (torch.randn(n, heads, head_dim, generator=g) * 3).to(dtype)
+    value = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(blocks * BLOCK, generator=g)[:n]
+    slots[::13] = -1
+    slots[4] = blocks * BLOCK + 2  # past the cache: skipped
+    slot = tq.slot_layout(preset, head_dim).slot_size_aligned
+    shape = (blocks, heads, BLOCK, slot) if head_major else (blocks, BLOCK, heads, slot)
+    poison = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    view = (lambda t: t.transpose(1, 2)) if head_major else (lambda t: t)
+    cpu, gpu = view(poison.clone()), view(poison.cuda())
+    tq.store_kv(key, value, cpu, slots, preset)
+    tq.store_kv(key.cuda(), value.cuda(), gpu, slots.cuda(), preset)
+    assert torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize("preset, head_dim", CASES)
+def test_store_of_nan_inf_and_zero_vectors_writes_the_cpus_bytes(preset, head_dim):
+    """The edge values the CPU rules define: zero and constant vectors, inf and NaN elements, an
+    all-NaN value."""
+    rows = [torch.zeros(head_dim), torch.full((head_dim,), 2.5), torch.randn(head_dim)]
+    rows[2][3] = float("inf")
+    nan_row = torch.randn(head_dim)
+    nan_row[::5] = float("nan")
+    rows.append(nan_row)
+    rows.append(torch.full((head_dim,), float("nan")))
+    x = torch.stack(rows)[:, None, :]  # [5, 1, D]
+    cpu = tq.allocate_kv_cache(1, BLOCK, 1, head_dim, preset)
+    gpu = cpu.cuda()
+    slots = torch.arange(5)
+    tq.store_kv(x, x.flip(0), cpu, slots, preset)
+    tq.store_kv(x.cuda(), x.flip(0).cuda(), gpu, slots.cuda(), preset)
+    assert torch.equal(gpu.cpu(), cpu)
 
 
 @pytest.mark.parametrize("preset, head_dim", CASES)

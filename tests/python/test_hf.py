@@ -467,8 +467,7 @@ OPTION_KINDS = ["mistral_window", "gemma2_softcap_window", "gemma3_window", "gpt
 
 @pytest.mark.parametrize("kind,preset,device,dtype", [
     (kind, preset, "cpu", torch.float32) for kind in OPTION_KINDS for preset in ("turboquant_4bit_nc", "turboquant_k3v4_nc")
-] + [pytest.param(kind, "turboquant_4bit_nc", "cuda", torch.bfloat16, marks=requires_cuda)
-     for kind in OPTION_KINDS if not kind.startswith("phi3")])  # CUDA stores the rotated presets at D = 64, 128, 256
+] + [pytest.param(kind, "turboquant_4bit_nc", "cuda", torch.bfloat16, marks=requires_cuda) for kind in OPTION_KINDS])
 def test_windowed_softcapped_and_sink_layers_are_quantized_and_match_eager_attention(kind, preset, device, dtype):
     """Every layer packed; a decode step past the window (40 tokens, window 16) against transformers'
     own eager attention (the implementation these models define softcap and sinks in) over what the
@@ -518,14 +517,6 @@ def _unwindowed_logits(model, ref):
             attn.sliding_window, attn.attn_logit_softcapping = window, softcap
             if sinks is not None:
                 attn.sinks.data.copy_(sinks)
-
-
-@requires_cuda
-def test_cuda_refuses_a_rotated_head_dim_its_store_lacks_naming_the_supported_ones():
-    model = _tiny_with_options("phi3_head_dim_96_window").to("cuda", torch.bfloat16)
-    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=0)
-    with pytest.raises(RuntimeError, match="CUDA store takes head_dim 64, 128 and 256.*got 96"):
-        model(torch.randint(0, 256, (1, 8), device="cuda"), **_cache(cache), use_cache=True)
 
 
 def test_load_from_refuses_a_sliding_layer_that_dropped_positions():
