@@ -3,6 +3,8 @@ with their raw K/V, the older ones on the packed cache, on every path of a step 
 by log-sum-exp, continuation chunks over a dequantized prefix with the raw ones put back), with
 the attention options and calibration; against float64 attention over exactly those K/V."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import turboquant as tq
 from turboquant.attention import PagedAttentionLayer, StepMetadata
 from turboquant.calibration import Calibration
 from turboquant.recent import merge_by_lse
+from conftest import requires_cuda
 from reference import attention_options_reference, rel_err
 
 BS, HKV, HQ, D, SCALE, R = 16, 2, 8, 64, 0.125, 8
@@ -33,14 +36,32 @@ def _meta(block_table, prev, new, decodes):
                         sequence_ids=torch.arange(len(prev)), num_sequences=len(prev))
 
 
+def _on(meta, device):
+    return dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in (
+        "query_start_loc", "seq_lens", "block_table", "slot_mapping", "sequence_ids")})
+
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("calibration", [None, CALIBRATED])
 def test_every_path_attends_to_the_last_positions_exactly(preset, option, calibration):
+    _check_every_path(preset, option, calibration, "cpu", torch.float32, 1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("option", ["plain", "window", "sinks"])
+@pytest.mark.parametrize("calibration", [None, CALIBRATED])
+def test_every_path_attends_to_the_last_positions_exactly_on_cuda(option, calibration):
+    """The same steps on the GPU in bf16: decode_lse's CUDA kernel, the ring on the device."""
+    _check_every_path("turboquant_4bit_nc", option, calibration, "cuda", torch.bfloat16, 2e-2)
+
+
+def _check_every_path(preset, option, calibration, device, dtype, tolerance):
     torch.manual_seed(0)
-    options = OPTIONS[option]
-    layer = PagedAttentionLayer(32, BS, HKV, D, preset, dtype=torch.float32, varlen_threshold=8,
+    options = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in OPTIONS[option].items()}
+    layer = PagedAttentionLayer(32, BS, HKV, D, preset, device=device, dtype=dtype, varlen_threshold=8,
                                 calibration=calibration, exact_recent=R, **options)
+    options = OPTIONS[option]  # the reference's, on the CPU
     block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
     offset = 3 * torch.randn(HKV, D)
     raw_k, raw_v = torch.zeros(4, 128, HKV, D), torch.zeros(4, 128, HKV, D)
@@ -52,13 +73,17 @@ def test_every_path_attends_to_the_last_positions_exactly(preset, option, calibr
         meta = _meta(block_table, prev, new, decodes)
         t = sum(new)
         q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D) * 2 + offset, torch.randn(t, HKV, D)
+        q, k, v = (x.to(dtype).float() for x in (q, k, v))  # what the layer gets, for the reference
         starts = meta.query_start_loc.tolist()
         for b in range(4):
             raw_k[b, prev[b]:prev[b] + new[b]], raw_v[b, prev[b]:prev[b] + new[b]] = k[starts[b]:starts[b + 1]], v[starts[b]:starts[b + 1]]
-        steps.append((meta, q, layer.forward(q, k, v, meta, SCALE)))
-    keys, values = tq.dequantize(layer.cache, block_table, steps[-1][0].seq_lens, preset, torch.float32)
+        on_device = [x.to(device, dtype) for x in (q, k, v)]
+        steps.append((meta, q, layer.forward(*on_device, _on(meta, device), SCALE).float().cpu()))
+    keys, values = tq.dequantize(layer.cache, block_table.to(device), steps[-1][0].seq_lens.to(device), preset,
+                                 torch.float32)
     if layer.transform is not None:
         keys, values = layer.transform.restore(keys, values)
+    keys, values = keys.cpu(), values.cpu()
     for i, (meta, q, out) in enumerate(steps):
         starts = meta.query_start_loc.tolist()
         for b in range(4):
@@ -70,7 +95,7 @@ def test_every_path_attends_to_the_last_positions_exactly(preset, option, calibr
             if e - s > 1:  # a continuation chunk attends to its own raw K/V too
                 kb[n - (e - s):], vb[n - (e - s):] = raw_k[b, n - (e - s):n].double(), raw_v[b, n - (e - s):n].double()
             ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], SCALE, **options)
-            assert rel_err(out[s:e], ref) < 1e-5, (i, b)
+            assert rel_err(out[s:e], ref) < tolerance, (i, b)
 
 
 def test_merge_by_lse_is_attention_over_the_union():
