@@ -5,7 +5,8 @@ cost against PyTorch SDPA on a bf16 cache of the same shape, next to the tiled k
 
 Each row: a decode step of B sequences of L tokens, graph replay, turboquant and the best SDPA
 backend timed in alternating rounds in one process (median of the rounds), enough input sets to
-defeat the L2. Then the store of a 4,096-token prefill (Hkv 8) per preset and head dim.
+defeat the L2. Then the generic decode's time by split count, and the store of a 4,096-token
+prefill (Hkv 8) per preset and head dim.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ SHAPES = [(1, 32, 8, 8192), (8, 32, 8, 8192), (32, 32, 8, 2048), (8, 32, 32, 409
 TILED = (64, 128, 256)
 
 
-def decode_replays(preset, head_dim, b, hq, hkv, length):
+def decode_replays(preset, head_dim, b, hq, hkv, length, num_splits=0):
     read = b * hkv * length * tq.slot_layout(preset, head_dim).slot_size_aligned
     caches = [build_cache(preset, b, hkv, length, s, head_dim=head_dim) for s in range(copies_to_defeat_l2(read))]
     q = torch.randn(b, hq, head_dim, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-    return graph_replays([lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, head_dim ** -0.5) for c in caches])
+    return graph_replays([lambda c=c: tq.decode(q, c[0], c[1], seq_lens, preset, head_dim ** -0.5, num_splits)
+                          for c in caches])
 
 
 def store_us(preset, head_dim, tokens=4096, hkv=8):
@@ -71,6 +73,17 @@ def main():
                 del ours
             del sdpa
             torch.cuda.empty_cache()
+    # The generic decode's split count (kGenericMinTokensPerSplit, kernels/launchers.h): auto
+    # against forced counts.
+    splits = [0, 16, 32, 64, 128]
+    lines += ["", "Generic decode (D = 96, 4bit_nc) by split count, graph replay, median", "",
+              "| B | Hq | Hkv | L | " + " | ".join("auto us" if n == 0 else f"{n} splits us" for n in splits) + " |",
+              "|---|---|---|---|" + "---|" * len(splits)]
+    for (b, hq, hkv, length) in SHAPES[:2]:
+        times = [time_us(decode_replays("turboquant_4bit_nc", 96, b, hq, hkv, length, n)) for n in splits]
+        row = f"| {b} | {hq} | {hkv} | {length} | " + " | ".join(f"{t:.1f}" for t in times) + " |"
+        lines.append(row)
+        print(row, flush=True)
     lines += ["", "Store of a 4,096-token prefill, Hkv 8, bf16 K/V, graph replay, median", "",
               "| preset | " + " | ".join(f"D={d} us" for d in a.dims) + " |", "|---|" + "---|" * len(a.dims)]
     for preset in tq.PRESETS:

@@ -82,10 +82,10 @@ void choose_decode_splits(DecodeParams& p, DecodeKernel kernel) {
   const int group = p.num_q_heads / p.cache.num_kv_heads;
   const int max_context = p.max_blocks_per_seq * p.cache.block_size;
   p.split_waves = SplitWaves{};  // every row divided into num_splits, unless the per-head kernel serves p
-  if (kernel == DecodeKernel::kGeneric) {  // one CTA per (row, query head, split), several per SM
+  if (kernel == DecodeKernel::kGeneric) {  // one CTA per (row, slice of a GQA group, split), several per SM
     const int busy = p.query_start_loc == nullptr ? p.batch : varlen_busy_chunks(p.query_rows, p.batch, 1);
-    p.num_splits = std::min(default_num_splits(busy, p.num_q_heads, windowed_context(max_context, p.window, 1),
-                                               device_sm_count() * kGenericCtasPerSm),
+    p.num_splits = std::min(default_num_splits(busy, decode_generic_head_slices(p), windowed_context(max_context, p.window, 1),
+                                               device_sm_count() * kGenericCtasPerSm, kGenericMinTokensPerSplit),
                             kMaxPlannedSplits);
   } else if (kernel == DecodeKernel::kChunked) {  // 2 CTAs per SM (shared memory, 128 registers)
     const int busy = varlen_busy_chunks(p.query_rows, p.batch, chunked_tokens_per_cta(group));

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "decode_common.cuh"
 #include "device_utils.cuh"
@@ -32,7 +33,6 @@ namespace {
 
 constexpr int kGenericWarps = 4;
 constexpr int kGenericThreads = kGenericWarps * 32;
-constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
 
 __device__ __forceinline__ float half_field(const uint8_t* slot, int offset) {
   return half_bits_to_float(load_half_field(slot, offset));
@@ -56,6 +56,22 @@ __device__ void warp_hadamard(float* x, float* scratch, int d, const HadamardFac
   __syncwarp();
   for (int i = lane; i < d; i += 32) x[i] = scratch[i];
   __syncwarp();
+}
+
+// sum_of_squares_lane_order (quantize.h) of x in shared memory by a warp, in that rule's order: lane
+// i < L = vector_lanes(n) chains the squares of its n / L elements with FMAs, then the xor butterfly
+// over the L lanes; so the CPU's bits, every lane getting them. (One lane summing all n in that
+// order, as the store did first, kept a lane's local arrays and a serial chain of n FMAs.)
+__device__ float warp_sum_of_squares_lane_order(const float* x, int n, int lane) {
+  const int lanes = vector_lanes(n);
+  if (n % lanes != 0) return __shfl_sync(device::kFullMask, lane == 0 ? sum_of_squares_lane_order(x, n) : 0.0f, 0);
+  const int per_lane = n / lanes;
+  float s = 0.0f;
+  if (lane < lanes) {
+    for (int j = 0; j < per_lane; ++j) s = fma_rn(x[lane * per_lane + j], x[lane * per_lane + j], s);
+  }
+  for (int offset = lanes / 2; offset > 0; offset >>= 1) s = s + __shfl_xor_sync(device::kFullMask, s, offset);
+  return __shfl_sync(device::kFullMask, s, 0);
 }
 
 __device__ __forceinline__ uint8_t* slot_address(const CacheView& c, int64_t block, int token_in_block, int head) {
@@ -90,7 +106,7 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
     } else {
       for (int i = lane; i < d; i += 32) k[i] = device::to_float(key[i]);
       __syncwarp();
-      const float norm = __shfl_sync(device::kFullMask, lane == 0 ? sqrtf(sum_of_squares_lane_order(k, d)) : 0.0f, 0);
+      const float norm = sqrtf(warp_sum_of_squares_lane_order(k, d, lane));
       const float denom = norm + kKeyNormEpsilon;
       for (int i = lane; i < d; i += 32) k[i] = k[i] / denom;
       __syncwarp();
@@ -106,8 +122,9 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
         pack_group_of_8(idx, L.key_bits, slot + g * L.key_bits);
       }
       __syncwarp();
+      const float centroid_norm = p.norm_correction ? sqrtf(warp_sum_of_squares_lane_order(scratch, d, lane)) : 1.0f;
       if (lane == 0) {
-        const float stored = p.norm_correction ? norm / sqrtf(sum_of_squares_lane_order(scratch, d)) : norm;
+        const float stored = p.norm_correction ? norm / centroid_norm : norm;
         store_half_field(slot, L.key_norm_offset, key_norm_half_bits(stored));
       }
     }
@@ -174,19 +191,45 @@ __global__ void __launch_bounds__(kGenericThreads) dequantize_generic_kernel(con
   }
 }
 
-// ---- decode: one CTA per (query row, query head, split). Grid x: sequences (plain decode) or the
-// varlen chunks of one token each (query_chunks.h), y: query heads, z: splits. Each split takes an
-// equal share of the row's attended positions [first attended, causal limit).
-template <typename T>
+// ---- decode: one CTA per (query row, KV head's slice of query heads, split). Grid x: sequences
+// (plain decode) or the varlen chunks of one token each (query_chunks.h), y: KV heads x the slices
+// of their GQA group (generic_decode_head_slices), z: splits. Each split takes an equal share of the
+// row's attended positions [first attended, causal limit); each warp takes tiles of 32 of them.
+//
+// A tile is read twice from the cache, once per phase, each time by the lanes in the pattern that
+// phase needs: for the scores, lane j takes token j and dots its whole key with every query of
+// the slice (the queries rotated once, in shared memory, read as broadcasts; the centroids in
+// shared memory, one bank each); for the values, the lanes take the head dims (lane, lane + 32,
+// ...) and walk the tile's tokens. A slot is thus read once per GQA slice, not once per query head,
+// and the softmax costs one exp per (token, head), not one per lane. The earlier design (a warp per
+// query head, one token at a time, every lane doing every step) took 505 us where SDPA takes 19.8
+// (D = 96, B = 1, L = 8k; RESULTS.md, "Head dims without tiles").
+//
+// E bounds the head dims a lane holds (D <= 32 E) and generic_heads_per_cta(E) the query heads a
+// slice takes: the output accumulators, heads x E floats a lane, stay at 32 registers.
+constexpr int generic_heads_per_cta(int dims_per_lane) { return dims_per_lane >= 32 ? 1 : dims_per_lane >= 8 ? 4 : 8; }
+// Tokens whose value codes a lane loads at once: B x E codes, 16 registers.
+constexpr int generic_token_batch(int dims_per_lane) { return dims_per_lane >= 16 ? 1 : 16 / dims_per_lane; }
+
+__device__ __forceinline__ uintptr_t shfl_address(uintptr_t a, int lane) {
+  const uint32_t lo = __shfl_sync(device::kFullMask, static_cast<uint32_t>(a), lane);
+  const uint32_t hi = __shfl_sync(device::kFullMask, static_cast<uint32_t>(static_cast<uint64_t>(a) >> 32), lane);
+  return static_cast<uintptr_t>((static_cast<uint64_t>(hi) << 32) | lo);
+}
+
+template <typename T, int E>
 __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const DecodeParams p, const HadamardFactors f,
                                                                          const float rsqrt_d) {
-  extern __shared__ float smem[];  // q [D], scratch [D], per warp: acc [D], then max and sum
+  constexpr int H = generic_heads_per_cta(E);
+  extern __shared__ float smem[];  // q [H][D]; per warp: acc [H][D] (before the tiles, the rotation's
+                                   // scratch); per warp and head: max, sum; per head: merge weights
   const int d = p.layout.head_dim, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* q = smem;
-  float* scratch = q + d;
-  float* warp_acc = scratch + d;                      // [kGenericWarps][D]
-  float* warp_max = warp_acc + kGenericWarps * d;     // [kGenericWarps]
-  float* warp_sum = warp_max + kGenericWarps;         // [kGenericWarps]
+  float* warp_acc = q + H * d;                             // [kGenericWarps][H][D]
+  float* warp_max = warp_acc + kGenericWarps * H * d;      // [kGenericWarps][H]
+  float* warp_sum = warp_max + kGenericWarps * H;          // [kGenericWarps][H]
+  float* merge_weight = warp_sum + kGenericWarps * H;      // [kGenericWarps][H]
+  float* merge_inverse = merge_weight + kGenericWarps * H; // [H]
   __shared__ float centroid[kMaxCodebookLevels];
   const SlotLayout& L = p.layout;
   const bool fp8 = L.key_format == KeyFormat::kFp8;
@@ -203,8 +246,11 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
     pos = chunk.pos0;
     q_len = chunk.q_len;
   }
-  const int head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  const int kv_head = head / (p.num_q_heads / p.cache.num_kv_heads);
+  const int group = p.num_q_heads / p.cache.num_kv_heads, slices = (group + H - 1) / H;
+  const int kv_head = blockIdx.y / slices;
+  const int head0 = kv_head * group + (blockIdx.y % slices) * H;
+  const int heads = min(H, (kv_head + 1) * group - head0);
+  const int split = blockIdx.z, splits = gridDim.z;
   const int block_size = p.cache.block_size;
   const int seq_len = max(0, min(p.seq_lens[seq], p.max_blocks_per_seq * block_size));
   const int limit = causal_limit(seq_len, q_len, pos);
@@ -212,90 +258,173 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
   const int share = (limit - start + splits - 1) / splits;
   const int lo = min(limit, start + split * share), hi = min(limit, lo + share);
 
-  const int64_t out_row = static_cast<int64_t>(row) * p.num_q_heads + head;
-  const T* query = static_cast<const T*>(p.query) + out_row * d;
-  for (int i = threadIdx.x; i < d; i += kGenericThreads) q[i] = device::to_float(query[i]);
+  const int64_t out_row0 = static_cast<int64_t>(row) * p.num_q_heads + head0;  // the slice's heads are adjacent
+  const T* query = static_cast<const T*>(p.query) + out_row0 * d;
+  for (int i = threadIdx.x; i < heads * d; i += kGenericThreads) q[i] = device::to_float(query[i]);
   if (threadIdx.x < kMaxCodebookLevels) centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
   __syncthreads();
-  if (!fp8) {  // q.k = (R q).(norm c~): the query rotated once
-    if (warp == 0) {
-      warp_hadamard(q, scratch, d, f, lane);
-      for (int i = lane; i < d; i += 32) q[i] *= rsqrt_d;
+  if (!fp8) {  // q.k = (R q).(norm c~): each query rotated once
+    for (int h = warp; h < heads; h += kGenericWarps) {
+      warp_hadamard(q + h * d, warp_acc + warp * H * d, d, f, lane);
+      for (int i = lane; i < d; i += 32) q[h * d + i] *= rsqrt_d;
     }
     __syncthreads();
   }
-  float qr[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+
+  // Online softmax in the natural domain per head: the running max m (warp-uniform), and this
+  // lane's share of the sum of e^(s - m) (l) and of e^(s - m) * zero (z: the values' offsets, added
+  // to every dim at the end); acc holds e^(s - m) * scale * code for the lane's dims.
+  float acc[H][E], m[H], l[H], z[H];
 #pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) {
-    qr[e] = lane + 32 * e < d ? q[lane + 32 * e] : 0.0f;
-    acc[e] = 0.0f;
+  for (int h = 0; h < H; ++h) {
+    m[h] = -INFINITY;
+    l[h] = z[h] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
   }
-  // Online softmax in the natural domain: running max m, sum l of e^(s - m), acc of e^(s - m) v.
-  float m = -INFINITY, l = 0.0f;
   const int32_t* block_row = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
-  for (int t = lo + warp; t < hi; t += kGenericWarps) {
-    const int64_t block = block_row[t / block_size];
-    if (block < 0 || block >= p.cache.num_blocks) continue;  // warp-uniform; such a token is masked
-    const uint8_t* slot = slot_address(p.cache, block, t % block_size, kv_head);
-    float dot = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kMaxDimsPerLane; ++e) {
-      const int i = lane + 32 * e;
-      if (i < d) dot += qr[e] * (fp8 ? fp8_e4m3_to_float(slot[i]) : centroid[unpack_index(slot, i, L.key_bits)]);
+  const uint32_t key_mask = (1u << L.key_bits) - 1u;
+  for (int base = lo + warp * 32; base < hi; base += kGenericWarps * 32) {
+    // Scores: lane j, token base + j.
+    const int t = base + lane;
+    const uint8_t* slot = nullptr;
+    if (t < hi) {
+      const int64_t block = block_row[t / block_size];
+      if (block >= 0 && block < p.cache.num_blocks) slot = slot_address(p.cache, block, t % block_size, kv_head);
     }
-    dot = device::group_sum(dot);
-    float s = p.scale * (fp8 ? dot : dot * half_field(slot, L.key_norm_offset));
-    s = softcap_logit(s, p.softcap);
-    const float m_new = fmaxf(m, s);
-    const float correction = __expf(m - m_new);  // 0 for the first token (m = -inf)
-    const float weight = __expf(s - m_new);
-    l = l * correction + weight;
-    const float scale = half_field(slot, L.value_scale_offset), zero = half_field(slot, L.value_zero_offset);
+    const unsigned valid = __ballot_sync(device::kFullMask, slot != nullptr);
+    if (valid == 0) continue;  // warp-uniform: the tile's blocks are all outside the cache
+    float s[H], vscale = 0.0f, vzero = 0.0f;
 #pragma unroll
-    for (int e = 0; e < kMaxDimsPerLane; ++e) {
-      const int i = lane + 32 * e;
-      if (i < d) {
-        const float v = value_decode(unpack_index(slot + L.value_data_offset, i, L.value_bits), scale, zero);
-        acc[e] = acc[e] * correction + weight * v;
+    for (int h = 0; h < H; ++h) s[h] = 0.0f;
+    if (slot != nullptr) {
+#pragma unroll 2
+      for (int g = 0; g < d / 8; ++g) {
+        float k8[8];
+        if (fp8) {
+#pragma unroll
+          for (int r = 0; r < 8; ++r) k8[r] = fp8_e4m3_to_float(slot[8 * g + r]);
+        } else {
+          uint32_t word = 0;  // the group's 8 indices: key_bits bytes at key_bits * g (packing.h)
+          for (int b = 0; b < L.key_bits; ++b) word |= static_cast<uint32_t>(slot[g * L.key_bits + b]) << (8 * b);
+#pragma unroll
+          for (int r = 0; r < 8; ++r) k8[r] = centroid[(word >> (r * L.key_bits)) & key_mask];
+        }
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          if (h < heads) {
+            const float4 a = *reinterpret_cast<const float4*>(q + h * d + 8 * g);
+            const float4 b = *reinterpret_cast<const float4*>(q + h * d + 8 * g + 4);
+            s[h] += a.x * k8[0] + a.y * k8[1] + a.z * k8[2] + a.w * k8[3] + b.x * k8[4] + b.y * k8[5] + b.z * k8[6] +
+                    b.w * k8[7];
+          }
+        }
+      }
+      const float norm = fp8 ? 1.0f : half_field(slot, L.key_norm_offset);
+#pragma unroll
+      for (int h = 0; h < H; ++h) s[h] = softcap_logit(p.scale * (s[h] * norm), p.softcap);
+      vscale = half_field(slot, L.value_scale_offset);
+      vzero = half_field(slot, L.value_zero_offset);
+    }
+    float w[H];  // e^(s - m) * scale of this lane's token
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      if (h < heads) {
+        const float tile_max = device::group_max(slot != nullptr ? s[h] : -INFINITY);
+        const float m_new = fmaxf(m[h], tile_max);
+        const float correction = m_new == -INFINITY ? 1.0f : __expf(m[h] - m_new);  // 0 while m = -inf
+        const float weight = slot != nullptr ? __expf(s[h] - m_new) : 0.0f;
+        l[h] = l[h] * correction + weight;
+        z[h] = z[h] * correction + weight * vzero;
+        w[h] = weight * vscale;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] *= correction;
+        m[h] = m_new;
       }
     }
-    m = m_new;
-  }
+    // Values: the lanes take the dims and the tile's tokens in batches of B, every code of a batch
+    // loaded before any is used (B x E loads in flight rather than one token's). A lane without a
+    // token lends the first one's slot at weight 0, so a batch needs no per-token test.
+    constexpr int B = generic_token_batch(E);
+    const uintptr_t own = reinterpret_cast<uintptr_t>(slot);
+    const uintptr_t lent = shfl_address(own, __ffs(valid) - 1);
+    const uintptr_t address = slot != nullptr ? own : lent;
+    const int tokens = 32 - __clz(valid);  // none past the last valid lane
+    for (int j0 = 0; j0 < tokens; j0 += B) {
+      float code[B][E];
 #pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) {
-    if (lane + 32 * e < d) warp_acc[warp * d + lane + 32 * e] = acc[e];
+      for (int u = 0; u < B; ++u) {
+        const uint8_t* field = reinterpret_cast<const uint8_t*>(shfl_address(address, (j0 + u) & 31)) + L.value_data_offset;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const int i = lane + 32 * e;
+          code[u][e] = i < d ? static_cast<float>(unpack_index(field, i, L.value_bits)) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < B; ++u) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          if (h < heads) {  // a token past the tile's last (j0 + u >= tokens) repeats one at weight 0
+            const float wj = j0 + u < tokens ? __shfl_sync(device::kFullMask, w[h], (j0 + u) & 31) : 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[h][e] = fmaf(wj, code[u][e], acc[h][e]);
+          }
+        }
+      }
+    }
   }
-  if (lane == 0) {
-    warp_max[warp] = m;
-    warp_sum[warp] = l;
+
+  // The warps' states (the lanes' sums added up), then merged per head; split 0 adds the head's
+  // sink to its denominator.
+  float* my_acc = warp_acc + warp * H * d;
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    if (h < heads) {
+      l[h] = device::group_sum(l[h]);
+      z[h] = device::group_sum(z[h]);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (lane + 32 * e < d) my_acc[h * d + lane + 32 * e] = acc[h][e] + z[h];
+      }
+      if (lane == 0) {
+        warp_max[warp * H + h] = m[h];
+        warp_sum[warp * H + h] = l[h];
+      }
+    }
   }
   __syncthreads();
-  // The warps' states merged; split 0 adds the head's sink to its denominator.
-  float total_max = warp_max[0];
-  for (int w = 1; w < kGenericWarps; ++w) total_max = fmaxf(total_max, warp_max[w]);
   const bool sink = p.sinks != nullptr && split == 0;
-  const float sink_logit = sink ? p.sinks[head] : -INFINITY;
-  const float merged_max = fmaxf(total_max, sink_logit);
-  float weights[kGenericWarps], total = sink ? __expf(sink_logit - merged_max) : 0.0f;
-#pragma unroll
-  for (int w = 0; w < kGenericWarps; ++w) {
-    weights[w] = warp_max[w] == -INFINITY ? 0.0f : __expf(warp_max[w] - merged_max);
-    total += warp_sum[w] * weights[w];
+  if (threadIdx.x < heads) {
+    const int h = threadIdx.x;
+    float total_max = warp_max[h];
+    for (int w = 1; w < kGenericWarps; ++w) total_max = fmaxf(total_max, warp_max[w * H + h]);
+    const float sink_logit = sink ? p.sinks[head0 + h] : -INFINITY;
+    const float merged_max = fmaxf(total_max, sink_logit);
+    float total = sink ? __expf(sink_logit - merged_max) : 0.0f;
+    for (int w = 0; w < kGenericWarps; ++w) {
+      const float weight = warp_max[w * H + h] == -INFINITY ? 0.0f : __expf(warp_max[w * H + h] - merged_max);
+      merge_weight[w * H + h] = weight;
+      total += warp_sum[w * H + h] * weight;
+    }
+    merge_inverse[h] = total > 0.0f ? 1.0f / total : 0.0f;
+    if (splits > 1) {  // log2 domain, as the merge takes it
+      p.partial_lse[(out_row0 + h) * splits + split] = total > 0.0f ? merged_max * kLog2e + log2f(total) : -INFINITY;
+    }
   }
-  const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int i = threadIdx.x; i < d; i += kGenericThreads) {
+  __syncthreads();
+  for (int k = threadIdx.x; k < heads * d; k += kGenericThreads) {
+    const int h = k / d, i = k - h * d;
     float o = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kGenericWarps; ++w) o += warp_acc[w * d + i] * weights[w];
-    o *= inverse;
+    for (int w = 0; w < kGenericWarps; ++w) o += warp_acc[(w * H + h) * d + i] * merge_weight[w * H + h];
+    o *= merge_inverse[h];
+    const int64_t out_row = out_row0 + h;
     if (splits == 1) {
       static_cast<T*>(p.out)[out_row * d + i] = device::from_float<T>(o);
     } else {
       p.partial_out[(out_row * splits + split) * d + i] = o;
     }
-  }
-  if (splits > 1 && threadIdx.x == 0) {  // log2 domain, as the merge takes it
-    p.partial_lse[out_row * splits + split] = total > 0.0f ? merged_max * kLog2e + log2f(total) : -INFINITY;
   }
 }
 
@@ -315,10 +444,27 @@ cudaError_t by_element_type(ElementType type, bool allow_float, const Launch& la
 
 float rsqrt_head_dim(int d) { return 1.0f / sqrtf(static_cast<float>(d)); }  // the CPU's expression
 
+// The generic decode's instantiations by the head dims a lane holds: E = 4 up to D = 128, 8 up to
+// 256, 32 up to kMaxHeadDim; each serves generic_heads_per_cta(E) query heads a CTA.
+int generic_dims_per_lane(int d) { return d <= 128 ? 4 : d <= 256 ? 8 : 32; }
+
+template <class Launch>
+void by_dims_per_lane(int d, const Launch& launch) {
+  switch (generic_dims_per_lane(d)) {
+    case 4: launch(std::integral_constant<int, 4>{}); break;
+    case 8: launch(std::integral_constant<int, 8>{}); break;
+    default: launch(std::integral_constant<int, 32>{}); break;
+  }
+}
+
 // Dynamic shared memory stays under the 48 KB that needs no opt-in at every head dim up to
-// kMaxHeadDim (1024): the store and dequantize 2 x 4 x D floats (32 KB), decode (2 + 4) D + 8 (24.6 KB).
+// kMaxHeadDim (1024): the store and dequantize 2 x 4 x D floats (32 KB); decode (1 + 4) x heads x D
+// floats, heads x D <= 1024 (20 KB), and 13 per head.
 int vector_smem_bytes(int d) { return kGenericWarps * 2 * d * static_cast<int>(sizeof(float)); }
-int decode_smem_bytes(int d) { return (2 * d + kGenericWarps * (d + 2)) * static_cast<int>(sizeof(float)); }
+int decode_smem_bytes(int d) {
+  const int heads = generic_heads_per_cta(generic_dims_per_lane(d));
+  return ((1 + kGenericWarps) * heads * d + (3 * kGenericWarps + 1) * heads) * static_cast<int>(sizeof(float));
+}
 
 }  // namespace
 
@@ -356,13 +502,22 @@ int decode_generic_query_chunks(const DecodeParams& p) {
   return p.query_start_loc == nullptr ? p.batch : varlen_query_chunks(p.query_rows, p.batch, 1);
 }
 
+int decode_generic_head_slices(const DecodeParams& p) {
+  const int group = p.num_q_heads / p.cache.num_kv_heads;
+  const int heads = generic_heads_per_cta(generic_dims_per_lane(p.layout.head_dim));
+  return p.cache.num_kv_heads * ((group + heads - 1) / heads);
+}
+
 cudaError_t launch_decode_generic(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(decode_generic_query_chunks(p)), static_cast<unsigned>(p.num_q_heads),
+  const dim3 grid(static_cast<unsigned>(decode_generic_query_chunks(p)), static_cast<unsigned>(decode_generic_head_slices(p)),
                   static_cast<unsigned>(p.num_splits));
   const int d = p.layout.head_dim, smem = decode_smem_bytes(d);
   const HadamardFactors f = hadamard_factors(d);
   const cudaError_t err = by_element_type(p.dtype, false, [&](auto element) {
-    decode_generic_kernel<decltype(element)><<<grid, kGenericThreads, smem, stream>>>(p, f, rsqrt_head_dim(d));
+    by_dims_per_lane(d, [&](auto dims_per_lane) {
+      decode_generic_kernel<decltype(element), decltype(dims_per_lane)::value>
+          <<<grid, kGenericThreads, smem, stream>>>(p, f, rsqrt_head_dim(d));
+    });
   });
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return launch_decode_merge(p, stream);

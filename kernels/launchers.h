@@ -93,10 +93,14 @@ bool cuda_supports_head_dim(const SlotLayout& layout);
 // Every other head dim a preset takes runs on the generic kernels (generic_head_dim.cu): one
 // instantiation per element type for all of them, the CPU's per-element rules, a warp per vector.
 bool cuda_generic_supports(const SlotLayout& layout);
-constexpr int kGenericCtasPerSm = 4;  // the generic decode's 4-warp CTAs resident per SM (113 registers a thread on sm_90)
+// A split of the generic decode keeps at least one 32-token tile per warp: its CTAs are latency-
+// bound (a warp's loads wait on the cache), so more of them resident beat longer splits.
+constexpr int kGenericMinTokensPerSplit = 128;
+constexpr int kGenericCtasPerSm = 4;  // the generic decode's 4-warp CTAs resident per SM (at most 128 registers a thread on sm_90)
 cudaError_t launch_store_kv_generic(const StoreParams& p, cudaStream_t stream);
 cudaError_t launch_dequantize_generic(const DequantizeParams& p, cudaStream_t stream);
 int decode_generic_query_chunks(const DecodeParams& p);  // grid x: sequences, or varlen rows + batch
+int decode_generic_head_slices(const DecodeParams& p);   // grid y: KV heads x the slices of their GQA group
 cudaError_t launch_decode_generic(const DecodeParams& p, cudaStream_t stream);
 
 // Multiprocessors of the current device (132 if it cannot be asked).

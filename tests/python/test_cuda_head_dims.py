@@ -83,8 +83,10 @@ def test_dequantize_returns_the_cpus_values(preset, head_dim, dtype):
 
 
 @pytest.mark.parametrize("preset, head_dim", CASES)
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 4, 6, 8])
 def test_decode_matches_cpu(preset, head_dim, group):
+    """A CTA takes up to 8 query heads of a GQA group (4 past D = 128, 1 past 256): group 6 leaves
+    a slice part-filled at D <= 128 and splits into 4 + 2 at D = 160 and 192."""
     heads = 2
     cache, bt, sl, _, _ = make_paged_batch(LENS, BLOCK, heads, head_dim, preset, seed=group + head_dim)
     q = torch.randn(len(LENS), heads * group, head_dim, generator=torch.Generator().manual_seed(group)).half()
