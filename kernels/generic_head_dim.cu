@@ -211,6 +211,18 @@ constexpr int generic_heads_per_cta(int dims_per_lane) { return dims_per_lane >=
 // Tokens whose value codes a lane loads at once: B x E codes, 16 registers.
 constexpr int generic_token_batch(int dims_per_lane) { return dims_per_lane >= 16 ? 1 : 16 / dims_per_lane; }
 
+// The 8 indices of group g of a key field (packing.h: key_bits bytes at key_bits * g) as one word,
+// read with 16-bit loads where the bytes allow (a slot, and so its key field, is 2-byte aligned).
+// A lane scoring its own token reads its own slot, one L1 wavefront per lane and load: on the
+// H100 the byte-wide loads (4 per group of 4-bit keys) bounded the decode at B = 8 (bench_head_dims.py).
+__device__ __forceinline__ uint32_t key_group_word(const uint8_t* field, int g, int bits) {
+  const uint16_t* pairs = reinterpret_cast<const uint16_t*>(field);
+  if (bits == 4) return pairs[2 * g] | (static_cast<uint32_t>(pairs[2 * g + 1]) << 16);
+  const int b = bits * g;  // 3 bits: bytes b, b + 1, b + 2
+  if ((b & 1) == 0) return pairs[b / 2] | (static_cast<uint32_t>(field[b + 2]) << 16);
+  return field[b] | (static_cast<uint32_t>(pairs[(b + 1) / 2]) << 8);
+}
+
 __device__ __forceinline__ uintptr_t shfl_address(uintptr_t a, int lane) {
   const uint32_t lo = __shfl_sync(device::kFullMask, static_cast<uint32_t>(a), lane);
   const uint32_t hi = __shfl_sync(device::kFullMask, static_cast<uint32_t>(static_cast<uint64_t>(a) >> 32), lane);
@@ -302,11 +314,15 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
       for (int g = 0; g < d / 8; ++g) {
         float k8[8];
         if (fp8) {
+          const uint16_t* pairs = reinterpret_cast<const uint16_t*>(slot) + 4 * g;
 #pragma unroll
-          for (int r = 0; r < 8; ++r) k8[r] = fp8_e4m3_to_float(slot[8 * g + r]);
+          for (int r = 0; r < 8; r += 2) {
+            const uint16_t two = pairs[r / 2];
+            k8[r] = fp8_e4m3_to_float(static_cast<uint8_t>(two & 0xff));
+            k8[r + 1] = fp8_e4m3_to_float(static_cast<uint8_t>(two >> 8));
+          }
         } else {
-          uint32_t word = 0;  // the group's 8 indices: key_bits bytes at key_bits * g (packing.h)
-          for (int b = 0; b < L.key_bits; ++b) word |= static_cast<uint32_t>(slot[g * L.key_bits + b]) << (8 * b);
+          const uint32_t word = key_group_word(slot, g, L.key_bits);
 #pragma unroll
           for (int r = 0; r < 8; ++r) k8[r] = centroid[(word >> (r * L.key_bits)) & key_mask];
         }
