@@ -9,8 +9,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
+#include "kv_transform.h"
 #include "op_checks.h"
 #include "turboquant/attention_options.h"
 #include "turboquant/hadamard_transform.h"
@@ -58,10 +60,15 @@ std::vector<float> to_float(const T* p, int n) {
   return out;
 }
 
-void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                  const at::Tensor& slot_mapping, c10::string_view preset) {
-  const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
+void store_kv_cpu(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor& kv_cache,
+                  const at::Tensor& slot_mapping, c10::string_view preset, const std::optional<at::Tensor>& key_offset,
+                  const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_offset) {
+  const StoreArgs a = check_store_kv_args(key_in, value_in, kv_cache, slot_mapping, std::string(preset));
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device());
   if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
+  at::Tensor key = key_in, value = value_in;
+  if (transform.any()) std::tie(key, value) = transformed_kv(key_in, value_in, transform);
   const at::Tensor slots = slot_mapping.to(at::kLong);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const int d = a.layout.head_dim;
@@ -194,19 +201,30 @@ std::tuple<at::Tensor, at::Tensor> decode_lse_cpu(const at::Tensor& query, const
                                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                                   c10::string_view preset, double scale, int64_t num_splits,
                                                   int64_t window_left, double softcap,
-                                                  const std::optional<at::Tensor>& sinks) {
+                                                  const std::optional<at::Tensor>& sinks,
+                                                  const std::optional<at::Tensor>& key_offset,
+                                                  const std::optional<at::Tensor>& key_scale,
+                                                  const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens,
                                          std::string(preset), num_splits);
   const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device(), softcap,
+                                                       options.sinks.defined());
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
-  return run_decode_cpu(query, kv_cache, block_table, seq_lens, a, scale, num_splits, options);
+  const auto [out, lse] = run_decode_cpu(transformed_query(query, transform), kv_cache, block_table, seq_lens, a,
+                                         scale, num_splits, options);
+  return {restored_output(out, transform, seq_lens > 0),
+          restored_lse(lse, query, transform, scale)};
 }
 
 at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
-                      int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
-  return std::get<0>(
-      decode_lse_cpu(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left, softcap, sinks));
+                      int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+                      const std::optional<at::Tensor>& key_offset, const std::optional<at::Tensor>& key_scale,
+                      const std::optional<at::Tensor>& value_offset) {
+  return std::get<0>(decode_lse_cpu(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left,
+                                    softcap, sinks, key_offset, key_scale, value_offset));
 }
 
 // Multi-token queries: each query row is one decode row with its sequence's block-table row and
@@ -216,10 +234,15 @@ at::Tensor decode_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const
 at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                              c10::string_view preset, double scale, int64_t num_splits, int64_t window_left,
-                             double softcap, const std::optional<at::Tensor>& sinks) {
+                             double softcap, const std::optional<at::Tensor>& sinks,
+                             const std::optional<at::Tensor>& key_offset, const std::optional<at::Tensor>& key_scale,
+                             const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_decode_varlen_args(query, kv_cache, block_table, seq_lens, query_start_loc,
                                                 std::string(preset), num_splits);
   const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device(), softcap,
+                                                       options.sinks.defined());
   const int64_t total_q = query.size(0);
   check_query_start_loc_values(query_start_loc, total_q);
   // The caller's tensors, so an error names the caller's entries (not a per-row copy's).
@@ -240,13 +263,19 @@ at::Tensor decode_varlen_cpu(const at::Tensor& query, const at::Tensor& kv_cache
   }
   DecodeArgs rows = a;
   rows.batch = total_q;
-  return std::get<0>(run_decode_cpu(query, kv_cache, row_tables, row_lens, rows, scale, num_splits, options));
+  const at::Tensor out = std::get<0>(run_decode_cpu(transformed_query(query, transform), kv_cache, row_tables, row_lens,
+                                                    rows, scale, num_splits, options));
+  return restored_output(out, transform, row_lens > 0);
 }
 
 void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                         c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out) {
+                         c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out,
+                         const std::optional<at::Tensor>& key_offset, const std::optional<at::Tensor>& key_scale,
+                         const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), key_out.scalar_type());
   check_dequantize_outputs(key_out, value_out, a, kv_cache);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device());
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const int d = a.layout.head_dim;
   const int64_t hkv = a.cache.num_kv_heads, out_len = key_out.size(1);
@@ -274,20 +303,23 @@ void dequantize_into_cpu(const at::Tensor& kv_cache, const at::Tensor& block_tab
       }
     }
   });
+  restore_dequantized(keys, values, seq_lens, max_context, transform);
   key_out.copy_(to_output_dtype(keys, key_out.scalar_type()));
   value_out.copy_(to_output_dtype(values, value_out.scalar_type()));
 }
 
 std::tuple<at::Tensor, at::Tensor> dequantize_cpu(const at::Tensor& kv_cache, const at::Tensor& block_table,
                                                   const at::Tensor& seq_lens, c10::string_view preset,
-                                                  at::ScalarType dtype) {
+                                                  at::ScalarType dtype, const std::optional<at::Tensor>& key_offset,
+                                                  const std::optional<at::Tensor>& key_scale,
+                                                  const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.batch; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
   at::Tensor keys = at::empty({a.batch, max_len, a.cache.num_kv_heads, a.layout.head_dim}, at::TensorOptions().dtype(dtype));
   at::Tensor values = at::empty_like(keys);
-  dequantize_into_cpu(kv_cache, block_table, seq_lens, preset, keys, values);
+  dequantize_into_cpu(kv_cache, block_table, seq_lens, preset, keys, values, key_offset, key_scale, value_offset);
   return {keys, values};
 }
 

@@ -6,8 +6,10 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <tuple>
 
 #include "error_message.h"
+#include "kv_transform.h"
 #include "launchers.h"
 #include "op_checks.h"
 #include "turboquant/lloyd_max.h"
@@ -45,11 +47,19 @@ void check_launch(cudaError_t err, const char* op) {
   TQ_CHECK(err == cudaSuccess, "turboquant: ", op, " CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                   const at::Tensor& slot_mapping, c10::string_view preset) {
-  const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
+void store_kv_cuda(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor& kv_cache,
+                   const at::Tensor& slot_mapping, c10::string_view preset, const std::optional<at::Tensor>& key_offset,
+                   const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_offset) {
+  const StoreArgs a = check_store_kv_args(key_in, value_in, kv_cache, slot_mapping, std::string(preset));
   check_cuda_head_dim(a.layout);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device());
   if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
+  at::Tensor key = key_in, value = value_in;
+  if (transform.any()) {
+    const c10::cuda::CUDAGuard guard(key_in.device());
+    std::tie(key, value) = transformed_kv(key_in, value_in, transform);
+  }
   TQ_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
   TQ_CHECK(reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
               "turboquant: CUDA store_kv needs 16-byte aligned key and value (16-byte copies); got a view with an odd offset");
@@ -151,30 +161,43 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
 at::Tensor checked_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
                                int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
-                               at::Tensor* lse) {
+                               const std::optional<at::Tensor>& key_offset, const std::optional<at::Tensor>& key_scale,
+                               const std::optional<at::Tensor>& value_offset, at::Tensor* lse) {
   const DecodeArgs a = check_decode_args(query, kv_cache, block_table, seq_lens, std::string(preset), num_splits);
   const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device(), softcap,
+                                                       options.sinks.defined());
   check_cuda_decode_inputs(query, kv_cache, a);
   TQ_CHECK(a.batch <= 65535, "turboquant: CUDA decode supports a batch of at most 65535 sequences, got ", a.batch);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
-  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options, lse);
+  const c10::cuda::CUDAGuard guard(query.device());
+  const at::Tensor out = run_decode_cuda(transformed_query(query, transform), kv_cache, block_table, seq_lens,
+                                         at::Tensor(), a, scale, num_splits, options, lse);
+  if (lse != nullptr) *lse = restored_lse(*lse, query, transform, scale);
+  return restored_output(out, transform, seq_lens > 0);
 }
 
 at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                        const at::Tensor& seq_lens, c10::string_view preset, double scale, int64_t num_splits,
-                       int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
+                       int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+                       const std::optional<at::Tensor>& key_offset, const std::optional<at::Tensor>& key_scale,
+                       const std::optional<at::Tensor>& value_offset) {
   return checked_decode_cuda(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left, softcap,
-                             sinks, nullptr);
+                             sinks, key_offset, key_scale, value_offset, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_lse_cuda(const at::Tensor& query, const at::Tensor& kv_cache,
                                                    const at::Tensor& block_table, const at::Tensor& seq_lens,
                                                    c10::string_view preset, double scale, int64_t num_splits,
                                                    int64_t window_left, double softcap,
-                                                   const std::optional<at::Tensor>& sinks) {
+                                                   const std::optional<at::Tensor>& sinks,
+                                                   const std::optional<at::Tensor>& key_offset,
+                                                   const std::optional<at::Tensor>& key_scale,
+                                                   const std::optional<at::Tensor>& value_offset) {
   at::Tensor lse;
   at::Tensor out = checked_decode_cuda(query, kv_cache, block_table, seq_lens, preset, scale, num_splits, window_left,
-                                       softcap, sinks, &lse);
+                                       softcap, sinks, key_offset, key_scale, value_offset, &lse);
   return {out, lse};
 }
 
@@ -183,23 +206,36 @@ std::tuple<at::Tensor, at::Tensor> decode_lse_cuda(const at::Tensor& query, cons
 at::Tensor decode_varlen_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, c10::string_view preset,
                               double scale, int64_t num_splits, int64_t window_left, double softcap,
-                              const std::optional<at::Tensor>& sinks) {
+                              const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_offset,
+                              const std::optional<at::Tensor>& key_scale,
+                              const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_decode_varlen_args(query, kv_cache, block_table, seq_lens, query_start_loc,
                                                 std::string(preset), num_splits);
   const AttentionOptions options = check_attention_options(query, window_left, softcap, sinks);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device(), softcap,
+                                                       options.sinks.defined());
   check_cuda_decode_inputs(query, kv_cache, a);
   if (index_checking_enabled()) {
     check_block_table_in_range(block_table, seq_lens, a.cache);
     check_query_start_loc_values(query_start_loc, query.size(0));
   }
-  return run_decode_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, a, scale, num_splits, options);
+  const c10::cuda::CUDAGuard guard(query.device());
+  const at::Tensor out = run_decode_cuda(transformed_query(query, transform), kv_cache, block_table, seq_lens,
+                                         query_start_loc, a, scale, num_splits, options);
+  if (!transform.value_offset.defined()) return out;
+  return restored_output(out, transform, varlen_rows_attending(query_start_loc, seq_lens, query.size(0)));
 }
 
 void dequantize_into_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                          c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out) {
+                          c10::string_view preset, at::Tensor& key_out, at::Tensor& value_out,
+                          const std::optional<at::Tensor>& key_offset, const std::optional<at::Tensor>& key_scale,
+                          const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), key_out.scalar_type());
   check_dequantize_outputs(key_out, value_out, a, kv_cache);
   check_cuda_head_dim(a.layout);
+  const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
+                                                       a.layout.head_dim, kv_cache.device());
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   key_out.zero_();  // zeros past each length; the kernel writes the tokens that exist
@@ -217,17 +253,20 @@ void dequantize_into_cuda(const at::Tensor& kv_cache, const at::Tensor& block_ta
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   check_launch(launch_dequantize(p, c10::cuda::getCurrentCUDAStream()), "dequantize");
+  restore_dequantized(key_out, value_out, seq_lens, a.max_blocks_per_seq * a.cache.block_size, transform);
 }
 
 std::tuple<at::Tensor, at::Tensor> dequantize_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table,
                                                    const at::Tensor& seq_lens, c10::string_view preset,
-                                                   at::ScalarType dtype) {
+                                                   at::ScalarType dtype, const std::optional<at::Tensor>& key_offset,
+                                                   const std::optional<at::Tensor>& key_scale,
+                                                   const std::optional<at::Tensor>& value_offset) {
   const DecodeArgs a = check_dequantize_args(kv_cache, block_table, seq_lens, std::string(preset), dtype);
   // The output shape depends on the lengths: one host sync (dequantize_into avoids it).
   const int64_t max_len = a.batch > 0 ? std::max<int64_t>(seq_lens.max().item<int32_t>(), 0) : 0;
   at::Tensor keys = at::empty({a.batch, max_len, a.cache.num_kv_heads, a.layout.head_dim}, kv_cache.options().dtype(dtype));
   at::Tensor values = at::empty_like(keys);
-  dequantize_into_cuda(kv_cache, block_table, seq_lens, preset, keys, values);
+  dequantize_into_cuda(kv_cache, block_table, seq_lens, preset, keys, values, key_offset, key_scale, value_offset);
   return {keys, values};
 }
 

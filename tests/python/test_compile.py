@@ -35,6 +35,18 @@ def test_opcheck_store_decode_dequantize():
                           test_utils=("test_schema", "test_faketensor"))
     out = torch.empty(2, 24, 2, 64)
     torch.library.opcheck(torch.ops.turboquant.dequantize_into.default, (cache, bt, sl, P, out, torch.empty_like(out)))
+    # The per-head transforms (key_offset, key_scale, value_offset) on every op.
+    t = (torch.randn(2, 64), torch.rand(2, 64) + 0.5, torch.randn(2, 64))
+    torch.library.opcheck(torch.ops.turboquant.store_kv.default,
+                          (key, key.clone(), cache, torch.tensor([1, -1, 40], dtype=torch.int32), P, *t))
+    torch.library.opcheck(torch.ops.turboquant.decode.default, (q, cache, bt, sl, P, 0.125, 2, 5, 0.0, None, *t))
+    torch.library.opcheck(torch.ops.turboquant.decode_lse.default, (q, cache, bt, sl, P, 0.125, 2, -1, 0.0, None, *t))
+    torch.library.opcheck(torch.ops.turboquant.decode_varlen.default,
+                          (q, cache, bt, sl, starts, P, 0.125, 0, 5, 0.0, None, *t))
+    torch.library.opcheck(torch.ops.turboquant.dequantize.default, (cache, bt, sl, P, torch.float32, *t),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.turboquant.dequantize_into.default,
+                          (cache, bt, sl, P, out, torch.empty_like(out), *t))
 
 
 def test_compile_fullgraph_store_then_decode():
