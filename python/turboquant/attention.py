@@ -225,9 +225,7 @@ class PagedAttentionLayer:
         else:
             if self.calibration is not None and self.transform is None:
                 self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset, scale)
-            if self.transform is not None:
-                key, value = self.transform.keys(key), self.transform.values(value)
-            store_kv(key, value, self.cache, slot_mapping, self.preset)
+            store_kv(key, value, self.cache, slot_mapping, self.preset, **self._transform_args)
 
     def _store_recent(self, key, value, meta: StepMetadata) -> None:
         """The step's tokens into the rings of exact recent tokens (a no-op without them)."""
@@ -277,12 +275,21 @@ class PagedAttentionLayer:
             g = self.cache[block_table.long()]  # [B, W, bs, 2, H, D]
             g = g.flatten(1, 2)
             return g[:, :, 0], g[:, :, 1]
-        k, v = dequantize(self.cache, block_table, seq_lens, self.preset, self.dtype)
-        return (k, v) if self.transform is None else self.transform.restore(k, v)
+        return dequantize(self.cache, block_table, seq_lens, self.preset, self.dtype, **self._transform_args)
 
     @property
     def _options(self) -> dict:
         return {"window_left": self.window_left, "softcap": self.softcap, "sinks": self.sinks}
+
+    @property
+    def _transform_args(self) -> dict:
+        """The fitted transformations as the ops take them (fp32 ``key_offset``, ``key_scale``,
+        ``value_offset``): every op on the cache applies them, so the layer works in the original basis."""
+        t = self.transform
+        if t is None:
+            return {}
+        return {name: (x.float() if x is not None else None) for name, x in
+                (("key_offset", t.key_offset), ("key_scale", t.key_scale), ("value_offset", t.value_offset))}
 
     def _sdpa(self, q, k, v, scale):
         """q [m, Hq, D] attends k, v [n, Hkv, D] (n >= m), causal aligned to the bottom right: query i
@@ -307,12 +314,8 @@ class PagedAttentionLayer:
         packed_window = window - r if window >= 0 else -1
         if window >= 0 and packed_window < 0:  # the whole window lies among the exact tokens
             packed_lens, packed_window = torch.zeros_like(packed_lens), -1
-        q = query if self.transform is None else self.transform.query(query)
-        out, lse = decode(q, self.cache, block_table, packed_lens, self.preset, scale, window_left=packed_window,
-                          softcap=self.softcap, sinks=self.sinks, return_lse=True)
-        if self.transform is not None:
-            out = self.transform.output(out, attended=packed_lens > 0)
-            lse = lse + scale * self.transform.logit_shift(query)
+        out, lse = decode(query, self.cache, block_table, packed_lens, self.preset, scale, window_left=packed_window,
+                          softcap=self.softcap, sinks=self.sinks, return_lse=True, **self._transform_args)
         exact_out, exact_lse = self.recent.attend(query, sequence, seq_lens, scale, window, self.softcap)
         return merge_by_lse(out, lse, exact_out, exact_lse).to(query.dtype)
 
@@ -321,11 +324,8 @@ class PagedAttentionLayer:
         if self.recent is not None:
             return self._decode_with_recent(query, block_table, seq_lens, scale, sequence)
         if self.preset is not None:
-            if self.transform is None:
-                return decode(query, self.cache, block_table, seq_lens, self.preset, scale, **self._options)
-            out = decode(self.transform.query(query), self.cache, block_table, seq_lens, self.preset, scale,
-                         **self._options)
-            return self.transform.output(out, attended=seq_lens > 0)
+            return decode(query, self.cache, block_table, seq_lens, self.preset, scale, **self._options,
+                          **self._transform_args)
         k, v = self._dense(block_table, seq_lens)  # [B, N, Hkv, D]
         key_position = torch.arange(k.shape[1], device=query.device)[None, :]
         visible = visible_keys(key_position, seq_lens[:, None].long() - 1, self.window_left)  # [B, N]; none at seq_len 0
@@ -389,11 +389,8 @@ class PagedAttentionLayer:
             rows_t = torch.tensor(rows, dtype=torch.long, device=device)
             seqs_t = torch.tensor(on_packed, dtype=torch.long, device=device)
             chunk_q = query.index_select(0, rows_t)
-            if self.transform is not None:
-                chunk_q = self.transform.query(chunk_q)
-            chunk_out = decode_varlen(chunk_q, self.cache, meta.block_table.index_select(0, seqs_t).contiguous(),
-                                      meta.seq_lens.index_select(0, seqs_t).contiguous(),
-                                      torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale,
-                                      **self._options)
-            out[rows_t] = chunk_out if self.transform is None else self.transform.output(chunk_out)
+            out[rows_t] = decode_varlen(chunk_q, self.cache, meta.block_table.index_select(0, seqs_t).contiguous(),
+                                        meta.seq_lens.index_select(0, seqs_t).contiguous(),
+                                        torch.tensor(loc, dtype=torch.int32, device=device), self.preset, scale,
+                                        **self._options, **self._transform_args)
         return out

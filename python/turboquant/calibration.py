@@ -146,14 +146,6 @@ class KVTransform:
             v = (_wide(v) + self.value_offset).to(value.dtype)
         return k.to(key.dtype), v
 
-    def logit_shift(self, query: torch.Tensor) -> torch.Tensor | float:
-        """``q · μ`` per query row and head ``[T, Hq]`` (0 without key centering): a query's logits
-        over centered keys are its logits over the original ones less ``scale`` times this, so a
-        log-sum-exp over the packed cache is the original one less ``scale · q · μ``."""
-        if self.key_offset is None:
-            return 0.0
-        return (self._grouped(query) * self.key_offset[:, None]).sum(-1).reshape(query.shape[:2])
-
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, Hq, D]`` -> ``[T, Hkv, group, D]`` in float32 or wider: query head ``h`` belongs to
         KV head ``h // group``, so the per-KV-head vectors broadcast without a copy per query head."""
