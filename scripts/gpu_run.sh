@@ -11,6 +11,7 @@
 # | bench           | benchmarks/bench_store.py + bench_decode.py (RESULTS.md tables) |                                    |
 # | generate        | benchmarks/bench_generate.py: transformers' generate, TurboQuantCache vs default cache | GENERATE_ARGS, GENERATE_TIMEOUT (300) |
 # | options         | benchmarks/bench_options.py: windowed decode vs plain over the window; softcap, sinks |       |
+# | transforms      | benchmarks/bench_transforms.py: decode and store with the per-head transforms vs without |     |
 # | head_dims       | benchmarks/bench_head_dims.py: the generic kernels (D = 96, 160) and the tiled ones (128) vs SDPA |  |
 # | short           | bench_decode.py, short contexts (4bit_nc, k8v4)           |                                          |
 # | serving         | benchmarks/bench_serving.py: a serving engine's block tables | SERVING_ARGS, SERVING_TIMEOUT (300)   |
@@ -157,6 +158,12 @@ if has options; then  # sliding window vs a plain decode over the window; softca
   timeout 300 "$PYTHON" benchmarks/bench_options.py --out "$OUT/options.md" > "$OUT/bench_options.log" 2>&1 \
     || { status=1; tail -20 "$OUT/bench_options.log"; }
   cat "$OUT/options.md"
+fi
+if has transforms; then  # the ops' per-head transforms: decode and store with them against without
+  mark_step transforms
+  timeout 300 "$PYTHON" benchmarks/bench_transforms.py --out "$OUT/transforms.md" > "$OUT/bench_transforms.log" 2>&1 \
+    || { status=1; tail -20 "$OUT/bench_transforms.log"; }
+  cat "$OUT/transforms.md"
 fi
 if has head_dims; then  # the generic kernels' cost next to the tiled ones
   mark_step head_dims
