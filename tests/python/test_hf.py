@@ -212,7 +212,10 @@ def test_short_continuation_chunk_through_decode_varlen_matches_the_reference(sm
         ours = model(ids[:, 10:], **_cache(cache), use_cache=True).logits[0].double()
         theirs = model(ids[:, 10:], **_cache(ref), use_cache=True).logits[0].double()
     assert ids.shape[1] - 10 > 1
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+    # 2e-3: the reference stores K/V the model computed again, and a 3-bit bin that float rounding
+    # flips between the two moves the logits by ~6e-4 (seen with one thread per process, as under
+    # pytest-xdist); a reference that keeps the chunk's own K/V raw differs by 0.12.
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 2e-3
 
 
 # ---- generation against the plain cache -------------------------------------------------------
