@@ -1,18 +1,17 @@
 // The kernels for head dims without a tiled instantiation (every head_dim the presets take but 64,
 // 128, 256 and FP8 keys' 96): the rotated presets at 80, 96, 112, 160, 192 (H_m (x) H_{2^k}, a dense
 // stage across the Sylvester blocks) and FP8 keys at any multiple of 8. The head dim is a runtime
-// value, so one instantiation per element type serves them all and the build stays the size it was.
+// value: one instantiation per element type (and, for decode, per bound on the dims a lane holds)
+// serves them all.
 //
-// One warp per vector (store, dequantize) or per query row and head (decode), shared memory for
-// the vectors, and the CPU reference's per-element rules called as they are (quantize.h,
-// packing.h, numeric.h, the rotation's two steps in hadamard_transform.h), so the store writes the
-// CPU's bytes exactly (no rounding allowance: the same operations in the same order) and
-// dequantize returns the CPU's floats. Decode keeps an online softmax per warp over its tokens, a
-// lane holding dims lane, lane + 32, ...; splits of a long context merge through the workspace and
-// the split merge like the tiled kernels'. The attention options (windows, soft-capping, sinks)
-// apply as in the per-head kernel. Simpler than the tiled kernels: decode reads each slot once per
-// query head (not once per GQA group) and does not overlap loads with math;
-// benchmarks/bench_head_dims.py times it against SDPA on the same shapes.
+// The store and dequantize take one warp per vector, in shared memory, and call the CPU reference's
+// per-element rules as they are (quantize.h, packing.h, numeric.h, the rotation's two steps in
+// hadamard_transform.h), so the store writes the CPU's bytes exactly (no rounding allowance: the
+// same operations in the same order) and dequantize returns the CPU's floats. Decode takes a CTA
+// per KV head and a slice of its query heads (below); splits of a long context merge through the
+// workspace and the split merge like the tiled kernels', and the attention options (windows,
+// soft-capping, sinks) apply as in the per-head kernel. What they cost next to the tiled kernels
+// and SDPA: benchmarks/bench_head_dims.py, RESULTS.md "Head dims without tiles".
 #include <cuda_runtime.h>
 
 #include <algorithm>
