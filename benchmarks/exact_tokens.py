@@ -30,7 +30,7 @@ from transformers import DynamicCache
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
-from turboquant import assets, evaluation as ev  # noqa: E402
+from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
 from turboquant.attention import PagedAttentionLayer, dense_attention, visible_keys  # noqa: E402
 from calibration import ensure_model  # noqa: E402
 from real_model import progress  # noqa: E402
@@ -89,13 +89,13 @@ def layers_keeping(first: int, recent: int):
         tqhf.PagedAttentionLayer = saved
 
 
-def model_rows(name: str, windows: int, choices: list[tuple[int, int]]) -> tuple[list[str], str]:
+def model_rows(name: str, windows: int, choices: list[tuple[int, int]], presets: list[str]) -> tuple[list[str], str]:
     model, tok = assets.load_model(name=name)
     wins = ev.windows(tok(assets.text(), return_tensors="pt").input_ids, 2048, windows)
     base = ev.perplexity([ev.decode_nll(model, w, DynamicCache) for w in wins])
     rows, start, done = {}, time.time(), 0
-    total = len(PRESETS) * 2 * len(choices)
-    for preset in PRESETS:
+    total = len(presets) * 2 * len(choices)
+    for preset in presets:
         for calibrate in (None, True):
             for first, recent in choices:
                 # varlen_threshold=0: continuation chunks take the dequantized-prefix path, which
@@ -109,7 +109,7 @@ def model_rows(name: str, windows: int, choices: list[tuple[int, int]]) -> tuple
                 progress(done, total, f"{name}: {preset[11:]} {'cal ' if calibrate else ''}{first}+{recent}", start)
     head = "| preset | calibrate | " + " | ".join(choice_name(f, r) for f, r in choices) + " |"
     lines = [head, "|---|---|" + "---|" * len(choices)]
-    for preset in PRESETS:
+    for preset in presets:
         for calibrate in (None, True):
             cells = [f"{rows[(preset, calibrate, f, r)]:+.1f} %" for f, r in choices]
             lines.append(f"| {preset.replace('turboquant_', '')} | {'yes' if calibrate else 'no'} | " + " | ".join(cells) + " |")
@@ -128,6 +128,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=1)
     p.add_argument("--choices", nargs="+", default=[f"{f}+{r}" for f, r in CHOICES],
                    help="FIRST+LAST: tokens kept exact at each sequence's start and end")
+    p.add_argument("--presets", nargs="+", default=PRESETS, choices=list(ALL_PRESETS))
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
     torch.manual_seed(0)
@@ -135,7 +136,7 @@ def main() -> None:
     sections = []
     for name in a.models:
         ensure_model(name)
-        lines, about = model_rows(name, a.windows, choices)
+        lines, about = model_rows(name, a.windows, choices, a.presets)
         print(f"{name} ({about})", *lines, sep="\n", flush=True)
         sections += [f"**{name}** ({about}):", "", *lines, ""]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
