@@ -1,6 +1,7 @@
 """Main job: a real model (SmolLM2-135M-Instruct) generating through each KV cache.
 
-For the plain cache and every preset (``TurboQuantCache`` in Hugging Face transformers): the text
+For the plain cache, every preset (``TurboQuantCache`` in Hugging Face transformers), and the 4-
+and 3-bit-key presets with ``calibrate=True, exact_recent=64``: the text
 generated for a few chat prompts (one batch, left-padded), the KV-cache bytes it held and its
 compression, decode tokens/s, and the perplexity on a real text under the serving protocol.
 Runs on the CPU in a few minutes; on a GPU with the CUDA ops it runs there (bf16).
@@ -57,6 +58,10 @@ def real_model_report(device: str, new_tokens: int, ppl_windows: int, window: in
     kinds = {"plain (transformers)": DynamicCache}
     kinds.update({p.replace("turboquant_", ""): (lambda p=p: tqhf.TurboQuantCache(model.config, preset=p))
                   for p in tq.PRESETS})
+    # The options that take the rotated presets to the plain cache's quality on real models
+    # (docs/QUALITY.md): calibration, and the last 64 tokens of each sequence kept exact.
+    kinds.update({f"{p.replace('turboquant_', '')} +cal +recent64": (lambda p=p: tqhf.TurboQuantCache(
+        model.config, preset=p, calibrate=True, exact_recent=64)) for p in ("turboquant_4bit_nc", "turboquant_k3v4_nc")})
     model.generate(**batch, max_new_tokens=2, do_sample=False)  # warm-up: first-call set-up out of the timings
     rows, texts = [], {}
     steps = len(kinds) * (1 + ppl_windows)

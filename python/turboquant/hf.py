@@ -523,14 +523,18 @@ class TurboQuantCache(Cache):
         return self
 
     def packed_bytes(self) -> int:
-        """Bytes of K/V the cache holds for its tokens: slots of the packed layers plus the plain
-        layers' tensors (allocated but unused blocks not counted)."""
+        """Bytes of K/V the cache holds for its tokens: slots of the packed layers, their rings of
+        exact recent tokens (``exact_recent``, as allocated), plus the plain layers' tensors
+        (allocated but unused blocks not counted)."""
         total = 0
         for i, layer in enumerate(self.layers):
             if i in self.quantized_layers:
                 if layer.attention is not None:
                     slot = layer.attention.cache.shape[-1] * layer.attention.cache.shape[2]
                     total += slot * sum(self.sequences.lengths)
+                    recent = layer.attention.recent
+                    if recent is not None:
+                        total += 2 * recent.keys.numel() * recent.keys.element_size()
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
         return total

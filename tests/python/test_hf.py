@@ -366,6 +366,24 @@ def test_exact_recent_over_the_whole_context_generates_as_the_plain_cache(preset
         assert ((a - b).norm() / a.norm()).item() < 1e-5
 
 
+def test_packed_bytes_count_the_rings_of_exact_recent_tokens():
+    """A cache keeping the last R tokens raw holds their bf16/fp32 K/V beside the slots: the report
+    of its bytes must say so (R x 2 x Hkv x D per ring row and quantized layer)."""
+    from transformers import LlamaConfig
+    model = _tiny(LlamaConfig)
+    ids, mask = _left_padded_prompts()
+    held = {}
+    for recent in (0, 8):
+        cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=1,
+                                     exact_recent=recent)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **_cache(cache), use_cache=True)
+        held[recent] = cache.packed_bytes()
+    rows = cache.layers[next(iter(cache.quantized_layers))].attention.recent.keys.shape[0]
+    assert rows >= ids.shape[0]
+    assert held[8] - held[0] == len(cache.quantized_layers) * rows * 8 * 2 * 2 * 64 * 4  # K+V, Hkv 2, D 64, fp32
+
+
 def test_exact_recent_loses_less_than_packing_every_token():
     """Fewer exact tokens than the context: the last 16 raw, the rest 3-bit packed, is closer to the
     plain cache than all 3-bit packed (teacher-forced logits over 24 steps after a 60-token prompt).
