@@ -224,7 +224,8 @@ class PagedAttentionLayer:
             self._rows.index_copy_(0, rows, torch.stack([key, value], dim=1).to(self.dtype))
         else:
             if self.calibration is not None and self.transform is None:
-                self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset, scale)
+                self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset, scale,
+                                     self.recent.count if self.recent is not None else 0)
             store_kv(key, value, self.cache, slot_mapping, self.preset, **self._transform_args)
 
     def _store_recent(self, key, value, meta: StepMetadata) -> None:

@@ -172,3 +172,19 @@ def test_measured_calibration_without_queries_falls_back_to_min_offset():
     measured = fit(k, k, [0, 200], replace(recipe, min_offset=0.0), query=torch.randn(200, 8, 64, generator=g, dtype=torch.float64),
                    preset="turboquant_4bit_nc")
     assert measured.key_offset[0].abs().max() > 1  # centering pays where the offset is large
+
+def test_measured_choice_with_exact_recent_tokens_scores_only_the_packed_positions():
+    """A layer keeping its last R tokens raw chooses by the error past them: with R covering the
+    whole measured chunk no candidate changes anything, and the tie keeps the identity (the same
+    keys that, measured without R, get centered and smoothed)."""
+    g = torch.Generator().manual_seed(5)
+    n, d = 128, 64
+    k = torch.randn(n, 2, d, generator=g)
+    k[:, 0] += 3.0
+    k[:, 1, :4] *= 12.0
+    v, q = torch.randn(n, 2, d, generator=g), torch.randn(n, 8, d, generator=g) * 2
+    recipe = Calibration(smooth_keys=0.5, min_offset=0.0, measure=True)
+    measured = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc")
+    assert measured.key_offset[0].abs().max() > 1.0  # without R: head 0 centered
+    covered = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc", exact_recent=n)
+    assert (covered.key_offset == 0).all() and (covered.key_scale == 1).all()
