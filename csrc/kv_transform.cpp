@@ -17,7 +17,7 @@ at::Tensor checked_vector(const std::optional<at::Tensor>& v, const char* name, 
            " must be [num_kv_heads, head_dim] = [", num_kv_heads, ", ", head_dim, "], got shape ", t.sizes());
   TQ_CHECK(t.device() == device, "turboquant: ", name, " must be on the cache's device ", device, ", got ",
            t.device());
-  return t;
+  return t.contiguous();  // the CUDA kernels index it as [num_kv_heads][head_dim]
 }
 
 // [1, Hkv, 1, D] view of a per-head vector, to broadcast over [rows, Hkv, group, D].
@@ -85,20 +85,6 @@ at::Tensor restored_lse(const at::Tensor& lse, const at::Tensor& query, const KV
       (query.to(at::kFloat).view({rows, hkv, hq / hkv, d}) * per_query_group(t.key_offset)).sum(-1).view({rows, hq}) *
       scale;
   return at::where(at::isneginf(lse), lse, lse + shift);
-}
-
-at::Tensor varlen_rows_attending(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t total_q) {
-  const at::Tensor starts = query_start_loc.to(at::kLong);
-  const int64_t batch = starts.size(0) - 1;
-  const at::Tensor rows = at::arange(total_q, starts.options());
-  if (batch <= 0) return at::zeros({total_q}, starts.options().dtype(at::kBool));
-  // The sequence holding each row: how many sequences end at or before it.
-  const at::Tensor seq = at::searchsorted(starts.slice(0, 1), rows, /*out_int32=*/false, /*right=*/true);
-  const at::Tensor inside = (seq < batch) & (rows >= starts[0]);
-  const at::Tensor b = seq.clamp_max(batch - 1);
-  const at::Tensor first = starts.index_select(0, b), q_len = starts.index_select(0, b + 1) - first;
-  const at::Tensor limit = seq_lens.to(at::kLong).index_select(0, b) - q_len + 1 + (rows - first);
-  return inside & (limit > 0);
 }
 
 void restore_dequantized(at::Tensor& key_out, at::Tensor& value_out, const at::Tensor& seq_lens, int64_t capacity,

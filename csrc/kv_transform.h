@@ -11,9 +11,10 @@
 // key_offset with soft-capping or sinks, and value_offset with sinks, are refused: the cap and
 // the sink's logit are not shifted with the scores, so there the identities do not hold.
 //
-// Device-agnostic ATen code around the kernels, shared by the CPU and CUDA ops: an elementwise pass
+// The checks, and the ATen passes the CPU ops run around their reference code: an elementwise pass
 // over the query and output of a decode (the cache's bytes are read as often as without), and one
-// over K/V before a store.
+// over K/V before a store. The CUDA kernels apply the transforms themselves (kernels/launchers.h);
+// the CUDA ops share only restored_lse and restore_dequantized.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -46,10 +47,6 @@ at::Tensor transformed_query(const at::Tensor& query, const KVTransformArgs& t);
 // ([rows] bool) holds. And its log-sum-exp [rows, Hq] with scale * q . key_offset added where finite.
 at::Tensor restored_output(const at::Tensor& out, const KVTransformArgs& t, const at::Tensor& attended);
 at::Tensor restored_lse(const at::Tensor& lse, const at::Tensor& query, const KVTransformArgs& t, double scale);
-
-// The rows of decode_varlen that attend to something: row i of sequence b when
-// seq_len_b - q_len_b + 1 + (i - start_b) > 0 (query_chunks.h), on the device, no host sync.
-at::Tensor varlen_rows_attending(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t total_q);
 
 // dequantize's outputs [B, L, Hkv, D] back in the original basis, in place, at positions below
 // each sequence's length (min(seq_len, capacity)); zeros elsewhere stay zeros.

@@ -47,19 +47,19 @@ void check_launch(cudaError_t err, const char* op) {
   TQ_CHECK(err == cudaSuccess, "turboquant: ", op, " CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-void store_kv_cuda(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor& kv_cache,
+// A per-head transform's vector for the kernels (check_kv_transform made it contiguous), or null.
+const float* vector_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// The kernels apply the per-head transforms themselves (launchers.h): the store on the K/V it
+// reads, a decode where it stages the query and writes the output.
+void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                    const at::Tensor& slot_mapping, c10::string_view preset, const std::optional<at::Tensor>& key_offset,
                    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_offset) {
-  const StoreArgs a = check_store_kv_args(key_in, value_in, kv_cache, slot_mapping, std::string(preset));
+  const StoreArgs a = check_store_kv_args(key, value, kv_cache, slot_mapping, std::string(preset));
   check_cuda_head_dim(a.layout);
   const KVTransformArgs transform = check_kv_transform(key_offset, key_scale, value_offset, a.cache.num_kv_heads,
                                                        a.layout.head_dim, kv_cache.device());
   if (index_checking_enabled()) check_slot_mapping_in_range(slot_mapping, a.cache);
-  at::Tensor key = key_in, value = value_in;
-  if (transform.any()) {
-    const c10::cuda::CUDAGuard guard(key_in.device());
-    std::tie(key, value) = transformed_kv(key_in, value_in, transform);
-  }
   TQ_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 2 == 0, "turboquant: kv_cache must be 2-byte aligned");
   TQ_CHECK(reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
               "turboquant: CUDA store_kv needs 16-byte aligned key and value (16-byte copies); got a view with an odd offset");
@@ -75,6 +75,9 @@ void store_kv_cuda(const at::Tensor& key_in, const at::Tensor& value_in, at::Ten
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.norm_correction = a.preset->norm_correction;
+  p.key_offset = vector_ptr(transform.key_offset);
+  p.key_scale = vector_ptr(transform.key_scale);
+  p.value_offset = vector_ptr(transform.value_offset);
   check_launch(launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
 }
 
@@ -97,7 +100,7 @@ void check_cuda_decode_inputs(const at::Tensor& query, const at::Tensor& kv_cach
 at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const DecodeArgs& a,
                            double scale, int64_t num_splits, const AttentionOptions& options,
-                           at::Tensor* lse = nullptr) {
+                           const KVTransformArgs& transform, at::Tensor* lse = nullptr) {
   const bool varlen = query_start_loc.defined();
   const c10::cuda::CUDAGuard guard(query.device());
   // Varlen rows outside every sequence's range are never written: zeros.
@@ -120,6 +123,8 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.window = options.window;
   p.softcap = static_cast<float>(options.softcap);
   p.sinks = options.sinks.defined() ? options.sinks.data_ptr<float>() : nullptr;
+  p.key_scale = vector_ptr(transform.key_scale);
+  p.value_offset = vector_ptr(transform.value_offset);
   DecodeKernel kernel = choose_decode_kernel(p);
   if (lse != nullptr && kernel != DecodeKernel::kGeneric) kernel = DecodeKernel::kHeads;
   if (num_splits > 0) {
@@ -172,10 +177,10 @@ at::Tensor checked_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cac
   TQ_CHECK(a.batch <= 65535, "turboquant: CUDA decode supports a batch of at most 65535 sequences, got ", a.batch);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const c10::cuda::CUDAGuard guard(query.device());
-  const at::Tensor out = run_decode_cuda(transformed_query(query, transform), kv_cache, block_table, seq_lens,
-                                         at::Tensor(), a, scale, num_splits, options, lse);
+  const at::Tensor out =
+      run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options, transform, lse);
   if (lse != nullptr) *lse = restored_lse(*lse, query, transform, scale);
-  return restored_output(out, transform, seq_lens > 0);
+  return out;
 }
 
 at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -221,10 +226,8 @@ at::Tensor decode_varlen_cuda(const at::Tensor& query, const at::Tensor& kv_cach
     check_query_start_loc_values(query_start_loc, query.size(0));
   }
   const c10::cuda::CUDAGuard guard(query.device());
-  const at::Tensor out = run_decode_cuda(transformed_query(query, transform), kv_cache, block_table, seq_lens,
-                                         query_start_loc, a, scale, num_splits, options);
-  if (!transform.value_offset.defined()) return out;
-  return restored_output(out, transform, varlen_rows_attending(query_start_loc, seq_lens, query.size(0)));
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, a, scale, num_splits, options,
+                         transform);
 }
 
 void dequantize_into_cuda(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,

@@ -166,6 +166,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   const int num_columns = columns.count();
   auto limit = [&](int j) { return columns.limit(j, column_token(j, num_heads)); };
   auto out_row = [&](int h) { return columns.row(h, column_token(h, num_heads)); };  // column h's row of out
+  // The KV head's value_offset, added where the final output is written (null: none).
+  const float* const value_offset = p.value_offset != nullptr ? p.value_offset + kv_head * D : nullptr;
   // The splits this row takes: where the library chose the count and the context is shorter than
   // split_waves.full_context, as many as row_splits_in_grid gives its context (at most the grid's;
   // the rest find no tokens), else all of them. The grid's range first, unconditionally, and the rule
@@ -336,13 +338,13 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
       if constexpr (kAlignedRows) return issue_aligned_tile(local_tile, dst_stage);
       else return issue_tile(local_tile, dst_stage);
     };
-    // The query columns -> shared memory (fp32, rotated for Lloyd-Max keys), the pair table, then
+    // The query columns -> shared memory (fp32, times key_scale, rotated for Lloyd-Max keys), the pair table, then
     // B fragments of Q^T in the key order of kMisalign (decode_tile.cuh): before the first tiles
     // are issued where the query shares the ring's bytes, after it where it has its own area
     // (kQueryApart).
     uint32_t qf[C::kKSteps][2];
     auto stage_query = [&] {
-      query.template stage<!C::kFp8Key, C::KB, 32>(qs, pair_table, columns, p.codebook);
+      query.template stage<!C::kFp8Key, C::KB, 32>(qs, pair_table, columns, p.codebook, p.key_scale, group);
       device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
       if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
     };
@@ -471,6 +473,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     const float inv_den = 1.0f / den;  // one division per column (a NaN den makes every output NaN)
     const float lse = any ? base + log2f(den) : -INFINITY;
     const int64_t row = columns.row(h, token);
+    const float* final_offset = any ? value_offset : nullptr;  // for the one-split output
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int d = lane + 32 * e;
@@ -481,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
       if (cluster_splits) {
         split_outs[h * D + d] = out;
       } else if (p.num_splits == 1) {
-        static_cast<T*>(p.out)[row * D + d] = from_float<T>(out);
+        static_cast<T*>(p.out)[row * D + d] = from_float<T>(with_value_offset(out, final_offset, d));
       } else {
         p.partial_out[(row * p.num_splits + split) * D + d] = out;
       }
@@ -490,8 +493,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     if (lane == 0 && !cluster_splits && p.num_splits != 1) p.partial_lse[row * p.num_splits + split] = lse;
   }
   if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
-    merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v) {
-      static_cast<T*>(p.out)[out_row(h) * D + d] = from_float<T>(v);
+    merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v, bool attended) {
+      static_cast<T*>(p.out)[out_row(h) * D + d] = from_float<T>(with_value_offset(v, attended ? value_offset : nullptr, d));
     });
   }
 }

@@ -122,9 +122,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   const int limit0 = columns.limit(my_col0 + 2 * c), limit1 = columns.limit(my_col0 + 2 * c + 1);
   const TokenRange range = split_token_range(columns.limit(num_columns - 1), p.num_splits, split);
 
-  // ---- set-up: query columns (fp32, rotated for Lloyd-Max keys) -> B fragments; pair table
-  stage_query_columns<D, kChunkedColumns, !C::kFp8Key, C::KB>(
-      reinterpret_cast<float*>(smem), pair_table, static_cast<const T*>(p.query), columns, p.codebook);
+  // ---- set-up: query columns (fp32, times key_scale, rotated for Lloyd-Max keys) -> B fragments; pair table
+  stage_query_columns<D, kChunkedColumns, !C::kFp8Key, C::KB>(reinterpret_cast<float*>(smem), pair_table,
+                                                               static_cast<const T*>(p.query), columns, p.codebook,
+                                                               p.key_scale, group);
   // B fragments of Q^T for this warp's columns: k (2c, 2c+1 | 2c+8, 2c+9) of step j = dims 16j + ..
   uint32_t qf[D / 16][2];
   {
@@ -335,6 +336,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     const int64_t row = columns.row(column);
     const bool any = column_saw_tokens(l[k]);
     const float inv = any ? 1.0f / l[k] : 0.0f;
+    const float* final_offset = any && p.value_offset != nullptr ? p.value_offset + kv_head * D : nullptr;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
 #pragma unroll
@@ -342,7 +344,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
         const int dim = value_dim_of_position(16 * i + g + 8 * h);
         const float out = any ? (acc[i][2 * h + k] + z[k]) * inv : 0.0f;
         if (p.num_splits == 1) {
-          static_cast<T*>(p.out)[row * D + dim] = from_float<T>(out);
+          static_cast<T*>(p.out)[row * D + dim] = from_float<T>(with_value_offset(out, final_offset, dim));
         } else {
           p.partial_out[(row * p.num_splits + split) * D + dim] = out;
         }

@@ -159,10 +159,11 @@ struct QueryStaging {
     }
   }
 
-  // The loaded batch -> qs, rotated for Lloyd-Max keys.
+  // The loaded batch -> qs, times the column's KV head's key_scale where the decode has one
+  // (head_vector_of_row; group: query heads per KV head), rotated for Lloyd-Max keys.
   template <bool kLloydMax, typename T>
   __device__ __forceinline__ static void store(float* qs, const T (&raw)[kBatch][kPerLane], const QueryColumns& columns,
-                                               int c0) {
+                                               int c0, const float* key_scale, int group) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < kBatch; ++c) {
@@ -170,6 +171,12 @@ struct QueryStaging {
       float x[kPerLane];
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) x[e] = j < columns.count() ? to_float(raw[c][e]) : 0.0f;
+      if (key_scale != nullptr && j < columns.count()) {  // warp-uniform
+        const float* s = head_vector_of_row(key_scale, columns.row(j, column_token(j, columns.heads)),
+                                            columns.num_q_heads, group, D);
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) x[e] *= s[lane + 32 * e];
+      }
       if constexpr (kLloydMax) {
         if (j < columns.count()) warp_fwht(x, lane);  // warp-uniform; unused columns stay zeros
       }
@@ -197,18 +204,19 @@ __device__ __forceinline__ void stage_pair_table(uint32_t* pair_table, const Cod
   }
 }
 
-// The query columns staged (QueryStaging) and the pair table for Lloyd-Max keys. Every thread of
+// The query columns staged (QueryStaging; key_scale and group as there) and the pair table for Lloyd-Max keys. Every thread of
 // the CTA calls it; qs and the table are visible to all when it returns.
 template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
           typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
-                                                    const QueryColumns& columns, const Codebook& codebook) {
+                                                    const QueryColumns& columns, const Codebook& codebook,
+                                                    const float* key_scale, int group) {
   using Staging = QueryStaging<D, kColumns, kThreads>;
 #pragma unroll 1
   for (int c0 = 0; c0 < Staging::kColumnsPerWarp; c0 += Staging::kBatch) {
     T raw[Staging::kBatch][Staging::kPerLane];
     Staging::load(raw, query, columns, c0);
-    Staging::template store<kLloydMax>(qs, raw, columns, c0);
+    Staging::template store<kLloydMax>(qs, raw, columns, c0, key_scale, group);
   }
   if constexpr (kLloydMax) stage_pair_table<kKeyBits, kPairStrideWords, kThreads>(pair_table, codebook);
   __syncthreads();
@@ -227,12 +235,15 @@ struct PreloadedQuery {
 #pragma unroll
     for (int i = 0; i < kBatches; ++i) Staging::load(raw[i], query, columns, i * Staging::kBatch);
   }
-  // -> qs (fp32, rotated for Lloyd-Max keys) and the pair table, visible to every thread on return.
+  // -> qs (fp32, times key_scale, rotated for Lloyd-Max keys) and the pair table, visible to every
+  // thread on return.
   template <bool kLloydMax, int kKeyBits, int kPairStrideWords>
   __device__ __forceinline__ void stage(float* qs, uint32_t* pair_table, const QueryColumns& columns,
-                                        const Codebook& codebook) const {
+                                        const Codebook& codebook, const float* key_scale, int group) const {
 #pragma unroll
-    for (int i = 0; i < kBatches; ++i) Staging::template store<kLloydMax>(qs, raw[i], columns, i * Staging::kBatch);
+    for (int i = 0; i < kBatches; ++i) {
+      Staging::template store<kLloydMax>(qs, raw[i], columns, i * Staging::kBatch, key_scale, group);
+    }
     if constexpr (kLloydMax) stage_pair_table<kKeyBits, kPairStrideWords, kThreads>(pair_table, codebook);
     __syncthreads();
   }
@@ -354,8 +365,8 @@ __device__ __forceinline__ void fold_split_results(float4& o, float& lse, const 
 // Both splits' normalized outputs outs[column][D] and log-sum-exps lses[column] (log2 domain), in
 // the shared memory of each CTA of the cluster -> the merged outputs, folded by
 // fold_split_results (the merge kernel's rule), each CTA half of the (column, dim) elements,
-// written through store(column, dim, value). outs is 16-byte aligned. Every thread of both CTAs
-// calls it.
+// written through store(column, dim, value, attended) (attended: whether the column saw a token).
+// outs is 16-byte aligned. Every thread of both CTAs calls it.
 template <int D, int kThreads, class Store>
 __device__ __forceinline__ void merge_cluster_splits(const float* outs, const float* lses, int num_columns,
                                                      const Store& store) {
@@ -375,10 +386,11 @@ __device__ __forceinline__ void merge_cluster_splits(const float* outs, const fl
     float lse = lses0[column];
     fold_split_results(o, lse, outs1[q], lses1[column]);
     const int d = 4 * q - column * D;
-    store(column, d, o.x);
-    store(column, d + 1, o.y);
-    store(column, d + 2, o.z);
-    store(column, d + 3, o.w);
+    const bool attended = lse != -INFINITY;  // a NaN lse (a NaN key) counts: NaN stays NaN
+    store(column, d, o.x, attended);
+    store(column, d + 1, o.y, attended);
+    store(column, d + 2, o.z, attended);
+    store(column, d + 3, o.w, attended);
   }
   // Neither CTA leaves while the other still reads its shared memory. A relaxed arrive: the
   // reads it waits for have returned (their values are already in the stores above), and

@@ -50,7 +50,9 @@ template <typename T>
 __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const float* __restrict__ partial_out,
                                                                      const float* __restrict__ partial_lse,
                                                                      T* __restrict__ out, const int num_splits,
-                                                                     const int head_dim) {
+                                                                     const int head_dim,
+                                                                     const float* __restrict__ value_offset,
+                                                                     const int num_q_heads, const int gqa_group) {
   __shared__ float weight[kMaxMergeSplits];
   __shared__ float4 group_sums[kMergeThreads];
   __shared__ float scratch[kMergeWarps];
@@ -121,11 +123,15 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_splits_kernel(const fl
       acc.w += x.w;
     }
     const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-    T* o = out + row * head_dim + 4 * (first_column + t);
-    o[0] = device::from_float<T>(acc.x * inv_total);
-    o[1] = device::from_float<T>(acc.y * inv_total);
-    o[2] = device::from_float<T>(acc.z * inv_total);
-    o[3] = device::from_float<T>(acc.w * inv_total);
+    // The decode's value_offset (DecodeParams) for a row that attended to something.
+    const float* offset = total > 0.0f ? device::head_vector_of_row(value_offset, row, num_q_heads, gqa_group, head_dim)
+                                       : nullptr;
+    const int d = 4 * (first_column + t);
+    T* o = out + row * head_dim + d;
+    o[0] = device::from_float<T>(device::with_value_offset(acc.x * inv_total, offset, d));
+    o[1] = device::from_float<T>(device::with_value_offset(acc.y * inv_total, offset, d + 1));
+    o[2] = device::from_float<T>(device::with_value_offset(acc.z * inv_total, offset, d + 2));
+    o[3] = device::from_float<T>(device::with_value_offset(acc.w * inv_total, offset, d + 3));
   }
 }
 
@@ -157,7 +163,7 @@ cudaError_t launch_merge(const DecodeParams& p, cudaStream_t stream) {
   }
   return cudaLaunchKernelEx(&config, merge_splits_kernel<T>, static_cast<const float*>(p.partial_out),
                             static_cast<const float*>(p.partial_lse), static_cast<T*>(p.out), p.num_splits,
-                            p.layout.head_dim);
+                            p.layout.head_dim, p.value_offset, p.num_q_heads, p.num_q_heads / p.cache.num_kv_heads);
 }
 
 }  // namespace

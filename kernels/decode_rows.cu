@@ -200,10 +200,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
     for (int t = 0; t < C::early_tiles(half) && t < num_tiles; ++t) produce(t, ids);
   }
 
-  // ---- query columns (fp32, rotated for Lloyd-Max keys) and the pair table; ends in a barrier
-  // that also publishes the mbarriers.
+  // ---- query columns (fp32, times key_scale, rotated for Lloyd-Max keys) and the pair table; ends
+  // in a barrier that also publishes the mbarriers.
   float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
-  query.template stage<!C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, columns, p.codebook);
+  query.template stage<!C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, columns, p.codebook, p.key_scale,
+                                                                 group);
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
   const int slot_misalign = (warp * C::kSlotBytes) & 3;
@@ -325,6 +326,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
                            staged_lse[other * kDecodeColumns + col]);
       }
       if (num_partials == 1) {
+        if (p.value_offset != nullptr && lse != -INFINITY) {  // the KV head of columns warp * group ..: warp's
+          const float* offset = p.value_offset + static_cast<int64_t>(head_group * kRowHeads + warp) * D + 4 * lane;
+          o = make_float4(o.x + offset[0], o.y + offset[1], o.z + offset[2], o.w + offset[3]);
+        }
         alignas(8) T four[4] = {from_float<T>(o.x), from_float<T>(o.y), from_float<T>(o.z), from_float<T>(o.w)};
         *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + row * D + 4 * lane) = *reinterpret_cast<const uint2*>(four);
       } else {

@@ -35,6 +35,22 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ float from_float<float>(float v) { return v; }
 
+// The per-head transforms of a decode (DecodeParams::key_scale, value_offset; csrc/kv_transform.h):
+// the fp32 [head_dim] vector of `vectors` ([num_kv_heads, head_dim]) for output row `row` (query
+// row * num_q_heads + query head: its KV head is the query head / group), or null where the decode
+// has none. Asked once per column, not per element.
+__device__ __forceinline__ const float* head_vector_of_row(const float* vectors, int64_t row, int num_q_heads,
+                                                           int group, int head_dim) {
+  if (vectors == nullptr) return nullptr;
+  return vectors + static_cast<int64_t>(static_cast<int>(row % num_q_heads) / group) * head_dim;
+}
+// A final output element in the original basis: out + value_offset[d], where `offset` is the row's
+// vector (null for none, and for a row that attended to nothing: its output stays 0). Adding 0.0f
+// instead would turn a -0 output into +0.
+__device__ __forceinline__ float with_value_offset(float out, const float* offset, int d) {
+  return offset != nullptr ? out + offset[d] : out;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and for a grid launched without it).
 // A primary grid's CTAs allow the dependent grid to be scheduled once they no longer need their
 // SM to themselves; the dependent waits for the primary's completion and the visibility of its

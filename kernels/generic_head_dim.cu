@@ -100,10 +100,22 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
                                  static_cast<int>(slot_index % p.cache.block_size), head);
     const T* key = static_cast<const T*>(p.key) + item * d;
     const T* value = static_cast<const T*>(p.value) + item * d;
+    // The per-head transforms (StoreParams), rounded as the tiled store's transform_key / _value.
+    const int64_t head_at = static_cast<int64_t>(head) * d;
+    auto key_at = [&](int i) {
+      float x = device::to_float(key[i]);
+      if (p.key_offset != nullptr) x = __fsub_rn(x, p.key_offset[head_at + i]);
+      if (p.key_scale != nullptr) x = __fdiv_rn(x, p.key_scale[head_at + i]);
+      return x;
+    };
+    auto value_at = [&](int i) {
+      const float x = device::to_float(value[i]);
+      return p.value_offset != nullptr ? __fsub_rn(x, p.value_offset[head_at + i]) : x;
+    };
     if (fp8) {
-      for (int i = lane; i < d; i += 32) slot[i] = float_to_fp8_e4m3(device::to_float(key[i]));
+      for (int i = lane; i < d; i += 32) slot[i] = float_to_fp8_e4m3(key_at(i));
     } else {
-      for (int i = lane; i < d; i += 32) k[i] = device::to_float(key[i]);
+      for (int i = lane; i < d; i += 32) k[i] = key_at(i);
       __syncwarp();
       const float norm = sqrtf(warp_sum_of_squares_lane_order(k, d, lane));
       const float denom = norm + kKeyNormEpsilon;
@@ -129,7 +141,7 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
     }
     float vmin = INFINITY, vmax = -INFINITY;  // fminf / fmaxf pass NaN over, as the CPU's fmin / fmax
     for (int i = lane; i < d; i += 32) {
-      const float v = device::to_float(value[i]);
+      const float v = value_at(i);
       vmin = fminf(vmin, v);
       vmax = fmaxf(vmax, v);
     }
@@ -140,7 +152,7 @@ __global__ void __launch_bounds__(kGenericThreads) store_kv_generic_kernel(const
     uint8_t* const value_field = slot + L.value_data_offset;
     for (int g = lane; g < d / 8; g += 32) {
       uint8_t codes[8];
-      for (int r = 0; r < 8; ++r) codes[r] = static_cast<uint8_t>(value_code(device::to_float(value[8 * g + r]), q, L.value_bits));
+      for (int r = 0; r < 8; ++r) codes[r] = static_cast<uint8_t>(value_code(value_at(8 * g + r), q, L.value_bits));
       pack_group_of_8(codes, L.value_bits, value_field + g * L.value_bits);
     }
     if (lane == 0) {
@@ -271,7 +283,11 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
 
   const int64_t out_row0 = static_cast<int64_t>(row) * p.num_q_heads + head0;  // the slice's heads are adjacent
   const T* query = static_cast<const T*>(p.query) + out_row0 * d;
-  for (int i = threadIdx.x; i < heads * d; i += kGenericThreads) q[i] = device::to_float(query[i]);
+  // Times the KV head's key_scale where the decode has one (DecodeParams).
+  const float* key_scale = p.key_scale != nullptr ? p.key_scale + static_cast<int64_t>(kv_head) * d : nullptr;
+  for (int i = threadIdx.x; i < heads * d; i += kGenericThreads) {
+    q[i] = key_scale != nullptr ? device::to_float(query[i]) * key_scale[i % d] : device::to_float(query[i]);
+  }
   if (threadIdx.x < kMaxCodebookLevels) centroid[threadIdx.x] = p.codebook.centroid[threadIdx.x];
   __syncthreads();
   if (!fp8) {  // q.k = (R q).(norm c~): each query rotated once
@@ -436,7 +452,11 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
     o *= merge_inverse[h];
     const int64_t out_row = out_row0 + h;
     if (splits == 1) {
-      static_cast<T*>(p.out)[out_row * d + i] = device::from_float<T>(o);
+      // value_offset for a row that attended to something (merge_inverse 0: none)
+      const float* offset = p.value_offset != nullptr && merge_inverse[h] != 0.0f
+                                ? p.value_offset + static_cast<int64_t>(kv_head) * d
+                                : nullptr;
+      static_cast<T*>(p.out)[out_row * d + i] = device::from_float<T>(device::with_value_offset(o, offset, i));
     } else {
       p.partial_out[(out_row * splits + split) * d + i] = o;
     }

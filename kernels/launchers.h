@@ -32,6 +32,12 @@ struct StoreParams {
   SlotLayout layout;
   Codebook codebook;  // unused for FP8 keys
   bool norm_correction = false;
+  // Per-head transforms (csrc/kv_transform.h), fp32 [num_kv_heads, head_dim] each, or none: the
+  // store quantizes (key - key_offset) / key_scale and value - value_offset, computed in fp32 from
+  // the inputs as it reads them (the bytes of an fp32 pass before the store, without its traffic).
+  const float* key_offset = nullptr;
+  const float* key_scale = nullptr;
+  const float* value_offset = nullptr;
 };
 
 struct DecodeParams {
@@ -59,6 +65,13 @@ struct DecodeParams {
   float softcap = 0.0f;           // 0: none
   const float* sinks = nullptr;   // [num_q_heads] fp32 logits, or none
   bool has_attention_options() const { return window != INT_MAX || softcap != 0.0f || sinks != nullptr; }
+  // Per-head transforms (csrc/kv_transform.h), fp32 [num_kv_heads, head_dim] each, or none: every
+  // kernel stages its query columns times their KV head's key_scale, and adds value_offset to each
+  // output row that attends to something where it writes the final output (its epilogue, the
+  // cluster merge or the split merge; partial outputs stay without it). The log-sum-exp's shift
+  // by scale * q . key_offset is the glue's.
+  const float* key_scale = nullptr;
+  const float* value_offset = nullptr;
   int num_splits = 1;
   // Set where the library chose num_splits for the per-head kernel (choose_decode_splits):
   // each CTA row then takes row_splits_in_grid(split_waves, its context, num_splits) of the

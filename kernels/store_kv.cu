@@ -253,6 +253,34 @@ __device__ __forceinline__ Destination destination_of(const StoreParams& p, cons
   return {slot, at.head};
 }
 
+// The store's per-head transforms (StoreParams) on a lane's E elements of a vector of KV head
+// `head`, dims first .. first + E - 1: (key - key_offset) / key_scale, and value - value_offset,
+// rounded as the fp32 ATen pass the CPU op runs before its store (IEEE subtraction and division),
+// so both quantize the same floats.
+template <int E, int D>
+__device__ __forceinline__ void transform_key(float (&k)[E], const StoreParams& p, int head, int first) {
+  const int64_t at = static_cast<int64_t>(head) * D + first;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    if (p.key_offset != nullptr) k[j] = __fsub_rn(k[j], p.key_offset[at + j]);
+    if (p.key_scale != nullptr) k[j] = __fdiv_rn(k[j], p.key_scale[at + j]);
+  }
+}
+// The values less value_offset, with their new minimum and maximum (fminf / fmaxf: NaN passed over).
+template <int E, int D>
+__device__ __forceinline__ void transform_value(float (&v)[E], float& vmin, float& vmax, const StoreParams& p, int head,
+                                                int first) {
+  const int64_t at = static_cast<int64_t>(head) * D + first;
+#pragma unroll
+  for (int j = 0; j < E; ++j) v[j] = __fsub_rn(v[j], p.value_offset[at + j]);
+  vmin = vmax = v[0];  // as read_value's fp32 path
+#pragma unroll
+  for (int j = 1; j < E; ++j) {
+    vmin = fminf(vmin, v[j]);
+    vmax = fmaxf(vmax, v[j]);
+  }
+}
+
 // Padding (negative) and slots past the cache write nothing.
 __device__ __forceinline__ bool inside_cache(const StoreParams& p, int64_t slot) {
   return slot >= 0 && slot < p.cache.num_blocks * p.cache.block_size;
@@ -349,6 +377,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
     input.wait();
     input.read_key(k);
     const Destination dst = next_dst;
+    if (p.key_offset != nullptr || p.key_scale != nullptr) transform_key<E, D>(k, p, dst.head, part * E);  // uniform
 
     // ---- key
     uint32_t key_words[(E * kKeyBits + 31) / 32];
@@ -417,6 +446,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32, kStoreCtasPerSm)
     // ---- value (read after the key, so the two never hold registers at once)
     float v[E], vmin, vmax;
     input.read_value(v, vmin, vmax);
+    if (p.value_offset != nullptr) transform_value<E, D>(v, vmin, vmax, p, dst.head, part * E);
     __syncwarp();  // every lane read its piece: the buffer takes the next vectors
     if (first + step < vectors) {  // warp-uniform
       input.advance(step);

@@ -113,6 +113,9 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   # The generic kernels (head dims without tiles): their shared-memory vectors and warp transforms.
   sanitize generic_memcheck memcheck "(96 or 160 or 8-) and not graph" tests/python/test_cuda_head_dims.py &
   sanitize generic_racecheck racecheck "(store or decode_matches) and (96 or 160)" tests/python/test_cuda_head_dims.py &
+  # The per-head transforms each kernel reads (key_scale where it stages the query, value_offset where
+  # it writes the output; the store's three vectors).
+  sanitize transforms_memcheck memcheck "each_cuda_kernel or (store_writes and cuda)" tests/python/test_kv_transforms.py &
 fi
 if has tests; then
   mark_step tests
@@ -134,7 +137,7 @@ if has sanitize || has race_control; then
 fi
 if has sanitize; then
   for t in memcheck racecheck synccheck rows_memcheck rows_racecheck options_memcheck options_racecheck generic_memcheck \
-    generic_racecheck; do
+    generic_racecheck transforms_memcheck; do
     echo "== compute-sanitizer $t: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$t.log" | tail -1) | $(grep -E 'passed|failed' "$OUT/sanitize_$t.log" | tail -1) | $(tail -1 "$OUT/sanitize_$t.log")"
     grep -q "exit=0" "$OUT/sanitize_$t.log" || status=1
   done

@@ -15,47 +15,52 @@ LENS = [0, 1, 37, 70]
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
-def _vectors(device, seed=1):
+def _vectors(device, seed=1, hkv=HKV, head_dim=D):
     g = torch.Generator().manual_seed(seed)
-    mu = torch.randn(HKV, D, generator=g) * 3
-    s = torch.exp(torch.randn(HKV, D, generator=g) * 0.4)
-    nu = torch.randn(HKV, D, generator=g)
+    mu = torch.randn(hkv, head_dim, generator=g) * 3
+    s = torch.exp(torch.randn(hkv, head_dim, generator=g) * 0.4)
+    nu = torch.randn(hkv, head_dim, generator=g)
     return {"key_offset": mu.to(device), "key_scale": s.to(device), "value_offset": nu.to(device)}
 
 
-def _batch(preset, device, transforms, dtype=torch.float32):
-    """A cache of LENS stored with `transforms`, and the raw K/V [B, L, Hkv, D] it came from."""
+def _batch(preset, device, transforms, dtype=torch.float32, lens=LENS, hkv=HKV, head_dim=D):
+    """A cache of `lens` stored with `transforms`, and the raw K/V [B, L, Hkv, D] it came from."""
     g = torch.Generator().manual_seed(0)
-    blocks = [max(1, -(-n // BS)) for n in LENS]
-    cache = tq.allocate_kv_cache(sum(blocks) + 2, BS, HKV, D, preset, device)
-    table = torch.zeros(len(LENS), max(blocks), dtype=torch.int32)
-    keys, values = torch.zeros(len(LENS), max(LENS), HKV, D), torch.zeros(len(LENS), max(LENS), HKV, D)
+    blocks = [max(1, -(-n // BS)) for n in lens]
+    cache = tq.allocate_kv_cache(sum(blocks) + 2, BS, hkv, head_dim, preset, device)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    keys, values = (torch.zeros(len(lens), max(lens), hkv, head_dim) for _ in range(2))
     first = 1  # block 0 left unused
-    for b, n in enumerate(LENS):
+    for b, n in enumerate(lens):
         table[b, :blocks[b]] = torch.arange(first, first + blocks[b])
-        k = torch.randn(n, HKV, D, generator=g) * 2 + torch.randn(HKV, D, generator=g) * 4  # a per-head offset
-        v = torch.randn(n, HKV, D, generator=g)
+        k = torch.randn(n, hkv, head_dim, generator=g) * 2 + torch.randn(hkv, head_dim, generator=g) * 4  # a per-head offset
+        v = torch.randn(n, hkv, head_dim, generator=g)
         keys[b, :n], values[b, :n] = k, v
         slots = (table[b, torch.arange(n) // BS].long() * BS + torch.arange(n) % BS)
         tq.store_kv(k.to(device, dtype), v.to(device, dtype), cache, slots.to(device), preset, **transforms)
         first += blocks[b]
-    return cache, table.to(device), torch.tensor(LENS, dtype=torch.int32, device=device), keys, values
+    return cache, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device), keys, values
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"])
-@pytest.mark.parametrize("names", [("key_offset", "key_scale", "value_offset"), ("key_scale",)])
+@pytest.mark.parametrize("names", [("key_offset", "key_scale", "value_offset"), ("key_scale",), ("value_offset",)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [D, 96])  # on CUDA: the tiled store and the generic one
 @pytest.mark.parametrize("device", DEVICES)
-def test_store_writes_the_bytes_of_the_transformed_tensors_and_leaves_the_inputs(preset, names, device):
-    t = {name: x for name, x in _vectors(device).items() if name in names}
+def test_store_writes_the_bytes_of_the_transformed_tensors_and_leaves_the_inputs(preset, names, dtype, head_dim,
+                                                                                device):
+    """The same bytes as the store of (k - mu) / s and v - nu computed in float32 beforehand: the
+    CUDA store transforms what it reads, in any input dtype."""
+    t = {name: x for name, x in _vectors(device, head_dim=head_dim).items() if name in names}
     g = torch.Generator().manual_seed(4)
-    k, v = torch.randn(40, HKV, D, generator=g).to(device), torch.randn(40, HKV, D, generator=g).to(device)
+    k, v = (torch.randn(40, HKV, head_dim, generator=g).to(device, dtype) for _ in range(2))
     k_in, v_in = k.clone(), v.clone()
     slots = torch.randperm(64, generator=g)[:40].to(device)
-    ours, by_hand = (tq.allocate_kv_cache(4, BS, HKV, D, preset, device) for _ in range(2))
+    ours, by_hand = (tq.allocate_kv_cache(4, BS, HKV, head_dim, preset, device) for _ in range(2))
     tq.store_kv(k, v, ours, slots, preset, **t)
-    assert torch.equal(k, k_in) and torch.equal(v, v_in)  # float32 inputs are not transformed in place
+    assert torch.equal(k, k_in) and torch.equal(v, v_in)  # the inputs are not transformed in place
     mu, s, nu = (t.get(name, 0.0) for name in ("key_offset", "key_scale", "value_offset"))
-    tq.store_kv((k - mu) / (s if torch.is_tensor(s) else 1.0), v - nu, by_hand, slots, preset)
+    tq.store_kv((k.float() - mu) / (s if torch.is_tensor(s) else 1.0), v.float() - nu, by_hand, slots, preset)
     assert torch.equal(ours, by_hand)
 
 
@@ -120,6 +125,57 @@ def test_decode_decode_lse_and_varlen_attend_in_the_original_basis(preset, optio
     out = tq.decode_varlen(qv.to(device), cache, table, lens, starts.to(device), preset, scale, **on_device, **t)
     assert rel_err(out[:-2].float().cpu(), ref) <= tol
     assert (out[-2:] == 0).all()  # rows outside every sequence: zeros, no value_offset
+
+
+# (preset, head_dim, KV heads, GQA group, varlen query lengths or None for a decode): each CUDA
+# kernel applies the transforms itself (kernels/launchers.h). "heads": the per-head kernel, its
+# splits written directly (1), merged in a cluster (2, on sm_90) or by the merge kernel (5);
+# "chunked": varlen chunks with total_q * group >= 32 * batch, the chunked kernel's shape
+# (decode_plan.cu), and the per-head kernel's for the short chunks; "generic": a head dim without
+# tiles. test_decode_rows.py covers the row kernel.
+CUDA_KERNEL_CASES = {
+    "heads": ("turboquant_4bit_nc", 64, 2, 3, None),
+    "heads_k8v4": ("turboquant_k8v4", 128, 2, 4, None),
+    "chunked": ("turboquant_k3v4_nc", 128, 2, 4, [40, 24, 0, 30]),
+    "short_chunks": ("turboquant_4bit_nc", 64, 2, 3, [1, 2, 0, 3]),
+    "generic": ("turboquant_4bit_nc", 96, 2, 3, None),
+    "generic_varlen": ("turboquant_4bit_nc", 96, 2, 3, [5, 1, 0, 7]),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", list(CUDA_KERNEL_CASES))
+@pytest.mark.parametrize("names", [("key_offset", "key_scale", "value_offset"), ("key_scale",), ("value_offset",)])
+def test_each_cuda_kernel_attends_in_the_original_basis_as_the_cpu(case, names):
+    """The CUDA decode of an fp16 query against the CPU's reference on the same bytes (the CPU's
+    transforms are ATen passes around its kernels, tested against float64 above)."""
+    preset, head_dim, hkv, group, q_lens = CUDA_KERNEL_CASES[case]
+    lens = [0, 1, 37, 300]
+    t = {name: x for name, x in _vectors("cpu", hkv=hkv, head_dim=head_dim).items() if name in names}
+    cache, table, seq_lens, _, _ = _batch(preset, "cpu", t, lens=lens, hkv=hkv, head_dim=head_dim)
+    on_gpu = {name: x.cuda() for name, x in t.items()}
+    args = [cache.cuda(), table.cuda(), seq_lens.cuda()]
+    scale = head_dim ** -0.5
+    g = torch.Generator().manual_seed(8)
+    if q_lens is None:
+        q = torch.randn(len(lens), hkv * group, head_dim, generator=g).half()
+        for num_splits in (1, 2, 5):
+            ref, ref_lse = tq.decode(q.float(), cache, table, seq_lens, preset, scale, num_splits, return_lse=True, **t)
+            out = tq.decode(q.cuda(), *args, preset, scale, num_splits, **on_gpu).cpu()
+            assert rel_err(out, ref) <= 2e-3, num_splits
+            assert (out[0] == 0).all()  # an empty sequence: no value_offset
+            _, lse = tq.decode(q.cuda(), *args, preset, scale, num_splits, return_lse=True, **on_gpu)
+            seen = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse.cpu()), seen)
+            torch.testing.assert_close(lse.cpu()[seen], ref_lse[seen], rtol=0, atol=2e-2)
+        return
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens) + 2, hkv * group, head_dim, generator=g).half()  # 2 rows past every sequence
+    for num_splits in (1, 3):
+        ref = tq.decode_varlen(q.float(), cache, table, seq_lens, starts, preset, scale, num_splits, **t)
+        out = tq.decode_varlen(q.cuda(), *args, starts.cuda(), preset, scale, num_splits, **on_gpu).cpu()
+        assert rel_err(out, ref) <= 2e-3, num_splits
+        assert (out[-2:] == 0).all()  # rows outside every sequence: zeros, no value_offset
 
 
 @pytest.mark.parametrize("device", DEVICES)
