@@ -117,20 +117,36 @@ def serving_nll(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) 
     return total, count
 
 
-def decode_nll(model, window: torch.Tensor, kind: CacheKind, tail: int = 256, chunk: int = 256) -> tuple[float, int]:
-    """NLL of the last ``tail`` tokens of ``window``, each predicted by a step that reads the cache
-    (the head fed in chunks of ``chunk``)."""
+def decode_log_probs(model, window: torch.Tensor, kind: CacheKind, tail: int = 256, chunk: int = 256) -> torch.Tensor:
+    """Log-probabilities ``[tail, vocab]`` (float32, CPU) predicting each of the last ``tail`` tokens
+    of ``window``, each from a step that reads the cache (the head fed in chunks of ``chunk``)."""
     cache = kind()
     device = next(model.parameters()).device
     window = window.to(device)
     head = window.shape[1] - tail
     for start in range(0, head, chunk):
         logits = _forward(model, window[:, start:min(start + chunk, head)], cache)
-    total = F.cross_entropy(logits[0, -1:].float(), window[0, head:head + 1], reduction="sum").item()
+    out = [logits[0, -1].float().log_softmax(-1).cpu()]
     for t in range(head, window.shape[1] - 1):
-        logits = _forward(model, window[:, t:t + 1], cache)
-        total += F.cross_entropy(logits[0, -1:].float(), window[0, t + 1:t + 2], reduction="sum").item()
-    return total, tail
+        out.append(_forward(model, window[:, t:t + 1], cache)[0, -1].float().log_softmax(-1).cpu())
+    return torch.stack(out)
+
+
+def nll_of(log_probs: torch.Tensor, window: torch.Tensor) -> tuple[float, int]:
+    """Summed NLL of the tokens ``log_probs`` (decode_log_probs) predict, the last of ``window``, and the count."""
+    targets = window[0, window.shape[1] - log_probs.shape[0]:].cpu()
+    return -log_probs.gather(1, targets[:, None]).sum().item(), log_probs.shape[0]
+
+
+def mean_kl(reference: torch.Tensor, log_probs: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || log_probs), both log-probabilities ``[positions, vocab]``."""
+    return F.kl_div(log_probs, reference, log_target=True, reduction="none").sum(-1).mean().item()
+
+
+def decode_nll(model, window: torch.Tensor, kind: CacheKind, tail: int = 256, chunk: int = 256) -> tuple[float, int]:
+    """NLL of the last ``tail`` tokens of ``window``, each predicted by a step that reads the cache
+    (the head fed in chunks of ``chunk``)."""
+    return nll_of(decode_log_probs(model, window, kind, tail, chunk), window)
 
 
 def perplexity(nlls: list[tuple[float, int]]) -> float:
@@ -157,8 +173,7 @@ def greedy_tokens(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
 def agreement_and_kl(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     """Fraction of steps whose argmax equals the reference's, and the mean KL(reference || logits)."""
     agree = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return agree, kl.mean().item()
+    return agree, mean_kl(reference.log_softmax(-1), logits.log_softmax(-1))
 
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."

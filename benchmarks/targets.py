@@ -1,0 +1,100 @@
+"""The quality targets on real models: each preset alone, with each of the cache's two quality
+options (``calibrate=True``; ``exact_recent=64``) and with both, against the plain cache.
+
+    python benchmarks/targets.py [--models ...] [--presets ...] [--windows 1] [--out benchmarks/RESULTS.md]
+
+Decode protocol of turboquant/evaluation.py: a 2,048-token window, its last 256 tokens decoded
+one at a time, each step reading the cache (the case that loses most); the first and last two
+layers plain (the library's default). Each cell: the perplexity change against the plain cache
+and the mean KL(plain || cache) per predicted token, in nats. Same packed bytes per token in every
+column; ``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context.
+Writes the ``targets`` section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turboquant.hf as tqhf  # noqa: E402
+from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
+from calibration import ensure_model  # noqa: E402
+from real_model import progress  # noqa: E402
+from speed import replace_section  # noqa: E402
+
+PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc"]
+# column name -> TurboQuantCache keywords
+OPTIONS = {
+    "preset alone": {},
+    "calibrate=True": {"calibrate": True},
+    "exact_recent=64": {"exact_recent": 64},
+    "both": {"calibrate": True, "exact_recent": 64},
+}
+# the issue's targets: perplexity change at most this many percent
+TARGETS = {"turboquant_k8v4": 1.0, "turboquant_4bit_nc": 3.0, "turboquant_k3v4_nc": 8.0}
+
+
+def model_table(name: str, windows: int, presets: list[str]) -> tuple[list[str], str]:
+    model, tok = assets.load_model(name=name)
+    wins = ev.windows(tok(assets.text(), return_tensors="pt").input_ids, 2048, windows)
+    start = time.time()
+    reference = [ev.decode_log_probs(model, w, DynamicCache) for w in wins]
+    base = ev.perplexity([ev.nll_of(r, w) for r, w in zip(reference, wins)])
+    cells, done, total = {}, 0, len(presets) * len(OPTIONS)
+    for preset in presets:
+        for column, options in OPTIONS.items():
+            make = lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o)
+            runs = [ev.decode_log_probs(model, w, make) for w in wins]
+            ppl = ev.perplexity([ev.nll_of(r, w) for r, w in zip(runs, wins)])
+            kl = sum(ev.mean_kl(ref, r) for ref, r in zip(reference, runs)) / len(runs)
+            change = 100 * (ppl / base - 1)
+            mark = "" if change <= TARGETS.get(preset, float("inf")) else " ✗"
+            cells[(preset, column)] = f"{change:+.1f} %{mark} / {kl:.3f}"
+            done += 1
+            progress(done, total, f"{name}: {preset[11:]} {column}", start)
+    lines = ["| preset (target) | " + " | ".join(OPTIONS) + " |", "|---|" + "---|" * len(OPTIONS)]
+    for preset in presets:
+        target = f"+{TARGETS[preset]:.0f} %" if preset in TARGETS else "none"
+        lines.append(f"| {preset.replace('turboquant_', '')} ({target}) | "
+                     + " | ".join(cells[(preset, c)] for c in OPTIONS) + " |")
+    return lines, f"plain-cache decode perplexity {base:.2f}; {time.time() - start:.0f} s"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(assets.MODEL_NAMES), choices=assets.MODEL_NAMES)
+    p.add_argument("--presets", nargs="+", default=PRESETS, choices=list(ALL_PRESETS))
+    p.add_argument("--windows", type=int, default=1)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    a = p.parse_args()
+    torch.manual_seed(0)
+    sections = []
+    for name in a.models:
+        ensure_model(name)
+        lines, about = model_table(name, a.windows, a.presets)
+        print(f"{name} ({about})", *lines, sep="\n", flush=True)
+        sections += [f"**{name}** ({about}):", "", *lines, ""]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    body = "\n".join([
+        "## Against the quality targets: each preset alone, calibrated, with exact recent tokens, and both", "",
+        f"{datetime.date.today()}, CPU, commit {commit}, `python {' '.join(sys.argv)}`. Decode perplexity "
+        f"against the plain cache, {a.windows} window(s) of 2,048 tokens, the last 256 decoded one at a time; "
+        "each cell is the perplexity change / the mean KL(plain || cache) per predicted token in nats; ✗ marks a "
+        "cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). Columns: "
+        "`TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.", "",
+        *sections]).rstrip()
+    replace_section(a.out, "targets", body, "benchmarks/targets.py")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
