@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -49,16 +47,6 @@ RECIPES = {
     "keys centered where offset >= 0.85 rms": Calibration(smooth_keys=0.0, min_offset=0.85, measure=False),
     "measured per head (calibrate=True)": Calibration(),
 }
-
-
-def ensure_model(name: str) -> None:
-    try:
-        assets.model_dir(name)
-    except FileNotFoundError:
-        command = assets.install_command(name)
-        print(f"== installing the model's packages: {command}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", *shlex.split(command)], check=True)
-        importlib.invalidate_caches()
 
 
 def model_rows(name: str, windows: int, decode: bool) -> tuple[list[str], str]:
@@ -197,7 +185,7 @@ def main() -> None:
     torch.manual_seed(0)
     sections, heads = [], {}
     for name in a.models:
-        ensure_model(name)
+        assets.ensure_installed(name)
         heads[name] = head_errors(name)
         summary = head_summary(name, heads[name])
         print(f"{name}: per-head attention error", *summary, sep="\n", flush=True)

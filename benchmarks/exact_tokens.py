@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
 from turboquant.attention import PagedAttentionLayer, dense_attention, visible_keys  # noqa: E402
-from calibration import ensure_model  # noqa: E402
 from real_model import progress  # noqa: E402
 from speed import replace_section  # noqa: E402
 
@@ -135,7 +134,7 @@ def main() -> None:
     choices = [tuple(int(n) for n in c.split("+")) for c in a.choices]
     sections = []
     for name in a.models:
-        ensure_model(name)
+        assets.ensure_installed(name)
         lines, about = model_rows(name, a.windows, choices, a.presets)
         print(f"{name} ({about})", *lines, sep="\n", flush=True)
         sections += [f"**{name}** ({about}):", "", *lines, ""]

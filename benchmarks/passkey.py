@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 
-import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
@@ -30,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import assets, evaluation as ev  # noqa: E402
-from calibration import ensure_model  # noqa: E402
 from speed import replace_section  # noqa: E402
 
 
@@ -52,7 +50,7 @@ def main() -> None:
     p.add_argument("--section", default="passkey", help="the RESULTS.md section the table replaces")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
-    ensure_model(a.model)
+    assets.ensure_installed(a.model)
     started = time.time()
     model, tokenizer = assets.load_model(name=a.model)
     text = assets.text()

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
-from calibration import ensure_model  # noqa: E402
 from real_model import progress  # noqa: E402
 from speed import replace_section  # noqa: E402
 
@@ -79,7 +78,7 @@ def main() -> None:
     torch.manual_seed(0)
     sections = []
     for name in a.models:
-        ensure_model(name)
+        assets.ensure_installed(name)
         lines, about = model_table(name, a.windows, a.presets)
         print(f"{name} ({about})", *lines, sep="\n", flush=True)
         sections += [f"**{name}** ({about}):", "", *lines, ""]

