@@ -1,8 +1,10 @@
-"""Passkey retrieval per preset, without and with calibration, on a model that retrieves well with
-the plain cache (SmolLM2-135M finds 3-9 of 20 keys with it, too few to tell the presets apart).
+"""Passkey retrieval per preset, without and with calibration (and exact recent tokens), on a model
+that retrieves well with the plain cache (SmolLM2-135M finds 3-9 of 20 keys with it, too few to
+tell the presets apart).
 
     python benchmarks/passkey.py [--model qwen2.5-coder-0.5b] [--lengths 2048 4096] [--trials 10]
-                                 [--presets ...] [--section passkey] [--out benchmarks/RESULTS.md]
+                                 [--presets ...] [--exact-recent 64] [--section passkey]
+                                 [--out benchmarks/RESULTS.md]
 
 Protocol of turboquant/evaluation.py: a 5-digit key at a random depth of the text, the context
 prefilled once with transformers' plain cache and loaded into each cache (calibrated caches fit
@@ -32,12 +34,18 @@ from turboquant import assets, evaluation as ev  # noqa: E402
 from speed import replace_section  # noqa: E402
 
 
-def kinds(model, presets) -> dict:
+def kinds(model, presets, exact_recent: int = 0) -> dict:
+    """The plain cache, and each preset alone and calibrated; with ``exact_recent``, also with that
+    many exact recent tokens, alone and calibrated."""
     out = {"plain": DynamicCache}
+    variants = {"": {}, " calibrated": {"calibrate": True}}
+    if exact_recent:
+        variants[f" exact_recent={exact_recent}"] = {"exact_recent": exact_recent}
+        variants[f" calibrated, exact_recent={exact_recent}"] = {"calibrate": True, "exact_recent": exact_recent}
     for preset in presets:
-        short = preset.replace("turboquant_", "")
-        out[short] = lambda p=preset: tqhf.TurboQuantCache(model.config, preset=p)
-        out[short + " calibrated"] = lambda p=preset: tqhf.TurboQuantCache(model.config, preset=p, calibrate=True)
+        for suffix, options in variants.items():
+            out[preset.replace("turboquant_", "") + suffix] = (
+                lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o))
     return out
 
 
@@ -47,6 +55,8 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--presets", nargs="+", choices=list(tq.PRESETS), default=list(tq.PRESETS))
+    p.add_argument("--exact-recent", type=int, default=0,
+                   help="also each preset with this many exact recent tokens, alone and calibrated")
     p.add_argument("--section", default="passkey", help="the RESULTS.md section the table replaces")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
@@ -54,7 +64,7 @@ def main() -> None:
     started = time.time()
     model, tokenizer = assets.load_model(name=a.model)
     text = assets.text()
-    caches = kinds(model, a.presets)
+    caches = kinds(model, a.presets, a.exact_recent)
     hits = {name: {n: 0 for n in a.lengths} for name in caches}
     for n in a.lengths:
         rng = random.Random(n)
@@ -70,7 +80,8 @@ def main() -> None:
     lines = [f"{datetime.date.today()}, CPU, commit {commit}, `{command.strip()}` ({time.time() - started:.0f} s). "
              f"Model {a.model} in float32; {a.trials} trials per length (keys found of {a.trials}); the protocol "
              "in the script's docstring. Calibrated: `TurboQuantCache(..., calibrate=True)`, fitted on the "
-             "loaded context (no queries there: the offset rule picks each head's transformations).", "",
+             "loaded context (no queries there: the offset rule picks each head's transformations); "
+             "exact_recent: `TurboQuantCache(..., exact_recent=N)`.", "",
              "| cache | " + " | ".join(f"{n} tokens" for n in a.lengths) + " |",
              "|---|" + "---|" * len(a.lengths)]
     lines += [f"| {name} | " + " | ".join(f"{hits[name][n]}/{a.trials}" for n in a.lengths) + " |" for name in caches]
