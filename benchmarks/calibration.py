@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import time
 
@@ -38,7 +37,7 @@ from turboquant.calibration import Calibration  # noqa: E402
 from turboquant.calibration import KVTransform, fit  # noqa: E402
 from turboquant.roundtrip import packed  # noqa: E402
 from real_model import progress, record_qkv  # noqa: E402
-from speed import replace_section  # noqa: E402
+from speed import current_commit, replace_section  # noqa: E402
 
 RECIPES = {
     "none": None,
@@ -196,7 +195,7 @@ def main() -> None:
     plot_heads(heads, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "calibration_heads.png"))
     if a.skip_perplexity:  # RESULTS.md keeps its perplexity tables
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = current_commit()
     body = "\n".join([
         "## Calibration on real models (`TurboQuantCache(..., calibrate=...)`)", "",
         f"{datetime.date.today()}, CPU, commit {commit}, `python benchmarks/calibration.py --windows {a.windows}`. "

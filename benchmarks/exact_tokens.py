@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import datetime
 import os
-import subprocess
 import sys
 import time
 
@@ -32,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
 from turboquant.attention import PagedAttentionLayer, dense_attention, visible_keys  # noqa: E402
-from real_model import progress  # noqa: E402
-from speed import replace_section  # noqa: E402
+from real_model import model_sections, progress  # noqa: E402
+from speed import current_commit, replace_section  # noqa: E402
 
 PRESETS = ["turboquant_4bit_nc", "turboquant_k3v4_nc"]
 # (first tokens kept, last tokens kept)
@@ -132,13 +131,8 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(0)
     choices = [tuple(int(n) for n in c.split("+")) for c in a.choices]
-    sections = []
-    for name in a.models:
-        assets.ensure_installed(name)
-        lines, about = model_rows(name, a.windows, choices, a.presets)
-        print(f"{name} ({about})", *lines, sep="\n", flush=True)
-        sections += [f"**{name}** ({about}):", "", *lines, ""]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sections = model_sections(a.models, lambda name: model_rows(name, a.windows, choices, a.presets))
+    commit = current_commit()
     body = "\n".join([
         "## Keeping tokens unquantized: attention sinks and the most recent tokens (emulated)", "",
         f"{datetime.date.today()}, CPU, commit {commit}, `python {' '.join(sys.argv)}`. "

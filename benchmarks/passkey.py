@@ -20,7 +20,6 @@ import datetime
 import os
 import random
 import shlex
-import subprocess
 import sys
 import time
 
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant as tq  # noqa: E402
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import assets, evaluation as ev  # noqa: E402
-from speed import replace_section  # noqa: E402
+from speed import current_commit, replace_section  # noqa: E402
 
 
 def kinds(model, presets, exact_recent: int = 0) -> dict:
@@ -75,7 +74,7 @@ def main() -> None:
                 hits[name][n] += ev.found(answer, key)
             print(f"{n} tokens, trial {trial + 1}/{a.trials} ({time.time() - started:.0f} s): "
                   + ", ".join(f"{name} {hits[name][n]}" for name in caches), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = current_commit()
     command = "python benchmarks/passkey.py " + shlex.join(sys.argv[1:])
     lines = [f"{datetime.date.today()}, CPU, commit {commit}, `{command.strip()}` ({time.time() - started:.0f} s). "
              f"Model {a.model} in float32; {a.trials} trials per length (keys found of {a.trials}); the protocol "

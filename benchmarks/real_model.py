@@ -17,7 +17,6 @@ import argparse
 import datetime
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -27,11 +26,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import turboquant as tq  # noqa: E402
 from turboquant import assets, evaluation as ev  # noqa: E402
 from turboquant.roundtrip import packed  # noqa: E402
-from speed import replace_section  # noqa: E402
+from speed import current_commit, replace_section  # noqa: E402
 
 PRESETS = list(tq.PRESETS)
 CHAT = ["Explain in two sentences why the sky is blue.", "Write a short poem about the sea.",
         "List three facts about the planet Mars."]
+
+
+def model_sections(models: list[str], table) -> list[str]:
+    """``table(name) -> (markdown lines, about)`` for each model, its packages installed first; each
+    table printed as it is done. Returns the markdown of them all, one titled block per model."""
+    sections = []
+    for name in models:
+        assets.ensure_installed(name)
+        lines, about = table(name)
+        print(f"{name} ({about})", *lines, sep="\n", flush=True)
+        sections += [f"**{name}** ({about}):", "", *lines, ""]
+    return sections
 
 
 def progress(done: int, total: int, label: str, start: float) -> None:
@@ -243,7 +254,7 @@ def main() -> None:
     png = os.path.join(os.path.dirname(os.path.abspath(a.out)), "real_model_layers.png")
     layers = layer_analysis(model, text_ids, a.window, png)
     print("\n".join(layers))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = current_commit()
     device = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     quanto_note = ("transformers' `QuantizedCache` (quanto, 4 bits, groups of 64, the last 128 tokens kept in bf16) "
                    "quantizes every layer." if quanto is not None else

@@ -26,6 +26,15 @@ STORE_TOKENS = [1, 64, 1024, 16384, 65536]
 SDPA = "sdpa_bf16"
 
 
+def current_commit() -> str:
+    """The checkout's short commit, for a results table's header ("?" outside a git checkout)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return "?"
+    return done.stdout.strip() or "?"
+
+
 def replace_section(path: str, name: str, body: str, source: str = "benchmarks/speed.py") -> None:
     """Replaces (or appends) the block between <!-- name:begin --> and <!-- name:end -->."""
     begin, end = f"<!-- {name}:begin", f"<!-- {name}:end -->"
@@ -138,8 +147,7 @@ def main() -> None:
     a = p.parse_args()
     if not (torch.cuda.is_available() and tq.has_cuda_kernels()):
         sys.exit("speed.py needs a CUDA device and the CUDA build of the ops")
-    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()
+    commit = a.commit or current_commit()
     report(measure(a.quick), a.out, torch.cuda.get_device_name(), commit)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import time
 
@@ -27,8 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
-from real_model import progress  # noqa: E402
-from speed import replace_section  # noqa: E402
+from real_model import model_sections, progress  # noqa: E402
+from speed import current_commit, replace_section  # noqa: E402
 
 PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc"]
 # column name -> TurboQuantCache keywords
@@ -76,13 +75,8 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
     torch.manual_seed(0)
-    sections = []
-    for name in a.models:
-        assets.ensure_installed(name)
-        lines, about = model_table(name, a.windows, a.presets)
-        print(f"{name} ({about})", *lines, sep="\n", flush=True)
-        sections += [f"**{name}** ({about}):", "", *lines, ""]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets))
+    commit = current_commit()
     body = "\n".join([
         "## Against the quality targets: each preset alone, calibrated, with exact recent tokens, and both", "",
         f"{datetime.date.today()}, CPU, commit {commit}, `python {' '.join(sys.argv)}`. Decode perplexity "
