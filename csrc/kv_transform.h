@@ -14,7 +14,7 @@
 // The checks, and the ATen passes the CPU ops run around their reference code: an elementwise pass
 // over the query and output of a decode (the cache's bytes are read as often as without), and one
 // over K/V before a store. The CUDA kernels apply the transforms themselves (kernels/launchers.h);
-// the CUDA ops share only restored_lse and restore_dequantized.
+// the CUDA ops share only restore_dequantized.
 #pragma once
 
 #include <ATen/ATen.h>

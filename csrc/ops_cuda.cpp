@@ -123,6 +123,7 @@ at::Tensor run_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, 
   p.window = options.window;
   p.softcap = static_cast<float>(options.softcap);
   p.sinks = options.sinks.defined() ? options.sinks.data_ptr<float>() : nullptr;
+  p.key_offset = vector_ptr(transform.key_offset);
   p.key_scale = vector_ptr(transform.key_scale);
   p.value_offset = vector_ptr(transform.value_offset);
   DecodeKernel kernel = choose_decode_kernel(p);
@@ -179,7 +180,6 @@ at::Tensor checked_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cac
   const c10::cuda::CUDAGuard guard(query.device());
   const at::Tensor out =
       run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options, transform, lse);
-  if (lse != nullptr) *lse = restored_lse(*lse, query, transform, scale);
   return out;
 }
 

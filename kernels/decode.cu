@@ -490,7 +490,13 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
       }
     }
     if (lane == 0 && cluster_splits) split_lses[h] = lse;
-    if (lane == 0 && !cluster_splits && p.num_splits != 1) p.partial_lse[row * p.num_splits + split] = lse;
+    if (!cluster_splits && p.num_splits != 1) {
+      const float shift = p.key_offset != nullptr && any  // warp-uniform
+                              ? key_offset_lse_shift(static_cast<const T*>(p.query) + row * D,
+                                                     p.key_offset + kv_head * D, D, p.scale, lane)
+                              : 0.0f;
+      if (lane == 0) p.partial_lse[row * p.num_splits + split] = lse + shift;
+    }
   }
   if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
     merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v, bool attended) {

@@ -404,5 +404,18 @@ __device__ __forceinline__ void merge_cluster_splits(const float* outs, const fl
 #endif
 }
 
+// The log-sum-exp shift (log2 domain) of a query row under key_offset (DecodeParams): every score
+// of the row moves by scale * q . key_offset, so its log-sum-exp does, while the softmax does not.
+// The kernels that write partial log-sum-exps add it there, so the merged one (decode_lse's) is the
+// original scores'. The warp's lanes share the head dims of `query` (the row's, T[head_dim]) and
+// `key_offset` (its KV head's); every lane gets the result.
+template <typename T>
+__device__ __forceinline__ float key_offset_lse_shift(const T* query, const float* key_offset, int head_dim,
+                                                      float scale, int lane) {
+  float dot = 0.0f;
+  for (int i = lane; i < head_dim; i += 32) dot = fmaf(to_float(query[i]), key_offset[i], dot);
+  return group_sum(dot) * scale * kLog2e;
+}
+
 }  // namespace device
 }  // namespace turboquant

@@ -424,6 +424,15 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
       }
     }
   }
+  // key_offset's shift of each head's log-sum-exp (key_offset_lse_shift), for the partial ones below.
+  __shared__ float lse_shift[H];
+  if (splits > 1 && p.key_offset != nullptr) {  // CTA-uniform
+    for (int h = warp; h < heads; h += kGenericWarps) {
+      const float shift =
+          device::key_offset_lse_shift(query + h * d, p.key_offset + static_cast<int64_t>(kv_head) * d, d, p.scale, lane);
+      if (lane == 0) lse_shift[h] = shift;
+    }
+  }
   __syncthreads();
   const bool sink = p.sinks != nullptr && split == 0;
   if (threadIdx.x < heads) {
@@ -440,7 +449,9 @@ __global__ void __launch_bounds__(kGenericThreads) decode_generic_kernel(const D
     }
     merge_inverse[h] = total > 0.0f ? 1.0f / total : 0.0f;
     if (splits > 1) {  // log2 domain, as the merge takes it
-      p.partial_lse[(out_row0 + h) * splits + split] = total > 0.0f ? merged_max * kLog2e + log2f(total) : -INFINITY;
+      const float shift = p.key_offset != nullptr ? lse_shift[h] : 0.0f;
+      p.partial_lse[(out_row0 + h) * splits + split] =
+          total > 0.0f ? merged_max * kLog2e + log2f(total) + shift : -INFINITY;
     }
   }
   __syncthreads();

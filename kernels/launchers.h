@@ -68,8 +68,11 @@ struct DecodeParams {
   // Per-head transforms (csrc/kv_transform.h), fp32 [num_kv_heads, head_dim] each, or none: every
   // kernel stages its query columns times their KV head's key_scale, and adds value_offset to each
   // output row that attends to something where it writes the final output (its epilogue, the
-  // cluster merge or the split merge; partial outputs stay without it). The log-sum-exp's shift
-  // by scale * q . key_offset is the glue's.
+  // cluster merge or the split merge; partial outputs stay without it). key_offset moves a row's
+  // log-sum-exp by scale * q . key_offset (key_offset_lse_shift): the per-head and generic kernels,
+  // which serve decode_lse, add it to the partial log-sum-exps they write; the others ignore it
+  // (a shift shared by every split of a row leaves the merge's weights as they are).
+  const float* key_offset = nullptr;
   const float* key_scale = nullptr;
   const float* value_offset = nullptr;
   int num_splits = 1;

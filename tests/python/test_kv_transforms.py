@@ -117,7 +117,10 @@ def test_decode_decode_lse_and_varlen_attend_in_the_original_basis(preset, optio
         assert torch.equal(torch.isfinite(lse.cpu()), seen)
         torch.testing.assert_close(lse.cpu().double()[seen], ref_lse[seen], rtol=0, atol=50 * tol)
         plain = tq.decode(q.to(device), cache, table, lens, preset, scale, num_splits, **on_device, **t)
-        torch.testing.assert_close(plain, out, rtol=0, atol=0)
+        if device == "cpu" or num_splits >= 3:  # the same kernel and splits: the same output
+            torch.testing.assert_close(plain, out, rtol=0, atol=0)
+        else:  # on CUDA the log-sum-exp takes 3 splits or more, so the sums differ in rounding
+            assert rel_err(plain.float().cpu(), ref) <= tol, num_splits
     q_lens = [0, 1, 5, 12]
     starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     qv = torch.randn(sum(q_lens) + 2, HQ, D, generator=torch.Generator().manual_seed(7)).to(dtype)  # 2 rows past all
