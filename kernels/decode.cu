@@ -338,10 +338,10 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
       if constexpr (kAlignedRows) return issue_aligned_tile(local_tile, dst_stage);
       else return issue_tile(local_tile, dst_stage);
     };
-    // The query columns -> shared memory (fp32, times key_scale, rotated for Lloyd-Max keys), the pair table, then
-    // B fragments of Q^T in the key order of kMisalign (decode_tile.cuh): before the first tiles
-    // are issued where the query shares the ring's bytes, after it where it has its own area
-    // (kQueryApart).
+    // The query columns -> shared memory (fp32, times key_scale, rotated for Lloyd-Max keys), the
+    // pair table, then B fragments of Q^T in the key order of kMisalign (decode_tile.cuh): before
+    // the first tiles are issued where the query shares the ring's bytes, after it where it has its
+    // own area (kQueryApart).
     uint32_t qf[C::kKSteps][2];
     auto stage_query = [&] {
       query.template stage<!C::kFp8Key, C::KB, 32>(qs, pair_table, columns, p.codebook, p.key_scale, group);
@@ -500,7 +500,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   }
   if (cluster_splits) {  // CTA-uniform, and the same in every CTA of the cluster
     merge_cluster_splits<D, kThreads>(split_outs, split_lses, num_columns, [&](int h, int d, float v, bool attended) {
-      static_cast<T*>(p.out)[out_row(h) * D + d] = from_float<T>(with_value_offset(v, attended ? value_offset : nullptr, d));
+      const float* offset = attended ? value_offset : nullptr;
+      static_cast<T*>(p.out)[out_row(h) * D + d] = from_float<T>(with_value_offset(v, offset, d));
     });
   }
 }

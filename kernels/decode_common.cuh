@@ -204,8 +204,9 @@ __device__ __forceinline__ void stage_pair_table(uint32_t* pair_table, const Cod
   }
 }
 
-// The query columns staged (QueryStaging; key_scale and group as there) and the pair table for Lloyd-Max keys. Every thread of
-// the CTA calls it; qs and the table are visible to all when it returns.
+// The query columns staged (QueryStaging; key_scale and group as there) and the pair table for
+// Lloyd-Max keys. Every thread of the CTA calls it; qs and the table are visible to all when it
+// returns.
 template <int D, int kColumns, bool kLloydMax, int kKeyBits, int kPairStrideWords = 32, int kThreads = kDecodeThreads,
           typename T>
 __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_table, const T* query,
