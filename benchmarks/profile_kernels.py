@@ -46,7 +46,12 @@ def store_step(a):
     v = torch.randn(a.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(a.tokens, device="cuda")
     cache = tq.allocate_kv_cache(a.tokens // BLOCK_SIZE, BLOCK_SIZE, HEADS, HEAD_DIM, a.preset, "cuda")
-    return lambda: tq.store_kv(k, v, cache, slots, a.preset)
+    t = {}
+    if a.transforms:  # the per-head transforms of a calibrated cache (values of bench_transforms.py's kind)
+        t = {"key_offset": torch.randn(HEADS, HEAD_DIM, device="cuda"),
+             "key_scale": torch.rand(HEADS, HEAD_DIM, device="cuda") + 0.5,
+             "value_offset": torch.randn(HEADS, HEAD_DIM, device="cuda")}
+    return lambda: tq.store_kv(k, v, cache, slots, a.preset, **t)
 
 
 def main():
@@ -59,6 +64,7 @@ def main():
     p.add_argument("--splits", type=int, default=0, help="decode: a forced split count (0: the library's)")
     p.add_argument("--tokens", type=int, default=65536, help="store tokens")
     p.add_argument("--q-len", type=int, default=128, help="varlen: query tokens of the chunk")
+    p.add_argument("--transforms", action="store_true", help="store: with key_offset, key_scale and value_offset")
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
     step = {"decode": decode_step, "varlen": varlen_step, "store": store_step}[a.kernel](a)
