@@ -50,6 +50,12 @@ void check_launch(cudaError_t err, const char* op) {
 // A per-head transform's vector for the kernels (check_kv_transform made it contiguous), or null.
 const float* vector_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+// The store reads the vectors in 16-byte loads: a view at another offset is copied (the copy lives
+// until the op returns, after the launch, as the stream-ordered allocator allows).
+at::Tensor aligned16(const at::Tensor& t) {
+  return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+}
+
 // The kernels apply the per-head transforms themselves (launchers.h): the store on the K/V it
 // reads, a decode where it stages the query and writes the output.
 void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
@@ -75,9 +81,11 @@ void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   p.layout = a.layout;
   p.codebook = codebook_for(*a.preset, a.layout.head_dim);
   p.norm_correction = a.preset->norm_correction;
-  p.key_offset = vector_ptr(transform.key_offset);
-  p.key_scale = vector_ptr(transform.key_scale);
-  p.value_offset = vector_ptr(transform.value_offset);
+  const at::Tensor key_offset16 = aligned16(transform.key_offset), key_scale16 = aligned16(transform.key_scale),
+                   value_offset16 = aligned16(transform.value_offset);
+  p.key_offset = vector_ptr(key_offset16);
+  p.key_scale = vector_ptr(key_scale16);
+  p.value_offset = vector_ptr(value_offset16);
   check_launch(launch_store_kv(p, c10::cuda::getCurrentCUDAStream()), "store_kv");
 }
 

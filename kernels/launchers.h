@@ -35,6 +35,7 @@ struct StoreParams {
   // Per-head transforms (csrc/kv_transform.h), fp32 [num_kv_heads, head_dim] each, or none: the
   // store quantizes (key - key_offset) / key_scale and value - value_offset, computed in fp32 from
   // the inputs as it reads them (the bytes of an fp32 pass before the store, without its traffic).
+  // 16-byte aligned (the tiled store reads them in 16-byte loads).
   const float* key_offset = nullptr;
   const float* key_scale = nullptr;
   const float* value_offset = nullptr;

@@ -130,6 +130,25 @@ def test_decode_decode_lse_and_varlen_attend_in_the_original_basis(preset, optio
     assert (out[-2:] == 0).all()  # rows outside every sequence: zeros, no value_offset
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_takes_vectors_at_any_offset(device):
+    """Views of a larger tensor at a 4-byte offset (the CUDA store reads the vectors in 16-byte
+    loads, and copies such views first): the bytes of the same vectors allocated alone."""
+    t = _vectors(device)
+    shifted = {}
+    for name, x in t.items():
+        storage = torch.zeros(x.numel() + 1, device=device)
+        storage[1:] = x.flatten()
+        shifted[name] = storage[1:].view(HKV, D)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(40, HKV, D, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(64, generator=g)[:40].to(device)
+    ours, aligned = (tq.allocate_kv_cache(4, BS, HKV, D, "turboquant_4bit_nc", device) for _ in range(2))
+    tq.store_kv(k, v, ours, slots, "turboquant_4bit_nc", **shifted)
+    tq.store_kv(k, v, aligned, slots, "turboquant_4bit_nc", **t)
+    assert torch.equal(ours, aligned)
+
+
 # (preset, head_dim, KV heads, GQA group, varlen query lengths or None for a decode): each CUDA
 # kernel applies the transforms itself (kernels/launchers.h). "heads": the per-head kernel, its
 # splits written directly (1), merged in a cluster (2, on sm_90) or by the merge kernel (5);
