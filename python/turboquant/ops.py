@@ -45,8 +45,9 @@ _TRANSFORMS_DOC = """
     ``key_scale``, adds ``value_offset`` to every row with ``seq_len > 0`` (its weights sum to 1)
     and returns the log-sum-exp of the original scores (``key_offset`` only moves every score of a
     row by ``scale * q . key_offset``); ``dequantize`` returns ``k~ * key_scale + key_offset`` and
-    ``v~ + value_offset`` within each length. Exact, and no more bytes read from the cache: on both
-    devices they are elementwise passes over K/V, the queries and the outputs around the kernels.
+    ``v~ + value_offset`` within each length. Exact, and no more bytes read from the cache: the CUDA
+    kernels apply them as they read K/V and the query and write the output; the CPU ops run
+    elementwise passes around their reference code.
     ``key_offset`` with ``softcap`` or ``sinks``, and ``value_offset`` with ``sinks``, are refused
     (the cap and the sink do not move with the scores). ``key_scale`` must be positive and finite
     (not checked: that would read it back from the device).
