@@ -115,7 +115,8 @@ if has sanitize; then  # correctness only: the three tools run side by side, exa
   sanitize generic_racecheck racecheck "(store or decode_matches) and (96 or 160)" tests/python/test_cuda_head_dims.py &
   # The per-head transforms each kernel reads (key_scale where it stages the query, value_offset where
   # it writes the output; the store's three vectors).
-  sanitize transforms_memcheck memcheck "each_cuda_kernel or (store_writes and cuda)" tests/python/test_kv_transforms.py &
+  sanitize transforms_memcheck memcheck "each_cuda_kernel or ((store_writes or any_offset) and cuda)" \
+    tests/python/test_kv_transforms.py &
 fi
 if has tests; then
   mark_step tests
