@@ -85,7 +85,7 @@ def main() -> None:
              "|---|" + "---|" * len(a.lengths)]
     lines += [f"| {name} | " + " | ".join(f"{hits[name][n]}/{a.trials}" for n in a.lengths) + " |" for name in caches]
     span = f"{min(a.lengths):,}" + (f"-{max(a.lengths):,}" if max(a.lengths) > min(a.lengths) else "")
-    title = f"## Passkey retrieval on a model that retrieves, {span} tokens"
+    title = f"## Passkey retrieval, {a.model}, {span} tokens"
     body = "\n".join([title, "", *lines])
     print(body)
     replace_section(a.out, a.section, body, "benchmarks/passkey.py")
