@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import sys
 import time
@@ -31,8 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
 from turboquant.attention import PagedAttentionLayer, dense_attention, visible_keys  # noqa: E402
-from real_model import model_sections, progress  # noqa: E402
-from speed import current_commit, replace_section  # noqa: E402
+from real_model import model_sections, progress, write_model_sections  # noqa: E402
 
 PRESETS = ["turboquant_4bit_nc", "turboquant_k3v4_nc"]
 # (first tokens kept, last tokens kept)
@@ -132,18 +130,14 @@ def main() -> None:
     torch.manual_seed(0)
     choices = [tuple(int(n) for n in c.split("+")) for c in a.choices]
     sections = model_sections(a.models, lambda name: model_rows(name, a.windows, choices, a.presets))
-    commit = current_commit()
-    body = "\n".join([
-        "## Keeping tokens unquantized: attention sinks and the most recent tokens (emulated)", "",
-        f"{datetime.date.today()}, CPU, commit {commit}, `python {' '.join(sys.argv)}`. "
+    write_model_sections(
+        a.out, "exact-tokens", "benchmarks/exact_tokens.py",
+        "## Keeping tokens unquantized: attention sinks and the most recent tokens (emulated)",
         f"Decode perplexity against the plain cache, {a.windows} window(s) of 2,048 tokens, the last 256 decoded "
         "one at a time; each column keeps those positions of every sequence as raw K/V and the rest packed "
         "(the last ones: `exact_recent`; the first ones: an emulation by dense attention, the script's "
-        "docstring); calibrate: `calibrate=True`.", "",
-        *sections]).rstrip()
-    replace_section(a.out, "exact-tokens", body, "benchmarks/exact_tokens.py")
-    print(f"wrote {a.out}")
-
+        "docstring); calibrate: `calibrate=True`.",
+        sections)
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,6 @@ Writes the ``targets`` section of RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -26,8 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turboquant.hf as tqhf  # noqa: E402
 from turboquant import PRESETS as ALL_PRESETS, assets, evaluation as ev  # noqa: E402
-from real_model import model_sections, progress  # noqa: E402
-from speed import current_commit, replace_section  # noqa: E402
+from real_model import model_sections, progress, write_model_sections  # noqa: E402
 
 PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc"]
 # column name -> TurboQuantCache keywords
@@ -76,18 +74,14 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(0)
     sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets))
-    commit = current_commit()
-    body = "\n".join([
-        "## Against the quality targets: each preset alone, calibrated, with exact recent tokens, and both", "",
-        f"{datetime.date.today()}, CPU, commit {commit}, `python {' '.join(sys.argv)}`. Decode perplexity "
-        f"against the plain cache, {a.windows} window(s) of 2,048 tokens, the last 256 decoded one at a time; "
-        "each cell is the perplexity change / the mean KL(plain || cache) per predicted token in nats; ✗ marks a "
-        "cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). Columns: "
-        "`TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.", "",
-        *sections]).rstrip()
-    replace_section(a.out, "targets", body, "benchmarks/targets.py")
-    print(f"wrote {a.out}")
-
+    write_model_sections(
+        a.out, "targets", "benchmarks/targets.py",
+        "## Against the quality targets: each preset alone, calibrated, with exact recent tokens, and both",
+        f"Decode perplexity against the plain cache, {a.windows} window(s) of 2,048 tokens, the last 256 decoded "
+        "one at a time; each cell is the perplexity change / the mean KL(plain || cache) per predicted token in "
+        "nats; ✗ marks a cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). Columns: "
+        "`TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.",
+        sections)
 
 if __name__ == "__main__":
     main()

@@ -186,9 +186,8 @@ at::Tensor checked_decode_cuda(const at::Tensor& query, const at::Tensor& kv_cac
   TQ_CHECK(a.batch <= 65535, "turboquant: CUDA decode supports a batch of at most 65535 sequences, got ", a.batch);
   if (index_checking_enabled()) check_block_table_in_range(block_table, seq_lens, a.cache);
   const c10::cuda::CUDAGuard guard(query.device());
-  const at::Tensor out =
-      run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options, transform, lse);
-  return out;
+  return run_decode_cuda(query, kv_cache, block_table, seq_lens, at::Tensor(), a, scale, num_splits, options,
+                         transform, lse);
 }
 
 at::Tensor decode_cuda(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
