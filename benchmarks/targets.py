@@ -1,7 +1,7 @@
 """The quality targets on real models: each preset alone, with each of the cache's two quality
 options (``calibrate=True``; ``exact_recent=64``) and with both, against the plain cache.
 
-    python benchmarks/targets.py [--models ...] [--presets ...] [--windows 1] [--out benchmarks/RESULTS.md]
+    python benchmarks/targets.py [--models ...] [--presets ...] [--windows 3] [--out benchmarks/RESULTS.md]
 
 Decode protocol of turboquant/evaluation.py: a 2,048-token window, its last 256 tokens decoded
 one at a time, each step reading the cache (the case that loses most); the first and last two
@@ -44,17 +44,18 @@ def model_table(name: str, windows: int, presets: list[str]) -> tuple[list[str],
     wins = ev.windows(tok(assets.text(), return_tensors="pt").input_ids, 2048, windows)
     start = time.time()
     reference = [ev.decode_log_probs(model, w, DynamicCache) for w in wins]
-    base = ev.perplexity([ev.nll_of(r, w) for r, w in zip(reference, wins)])
+    reference_nlls = torch.cat([ev.token_nlls(r, w) for r, w in zip(reference, wins)])
+    base = reference_nlls.double().mean().exp().item()
     cells, done, total = {}, 0, len(presets) * len(OPTIONS)
     for preset in presets:
         for column, options in OPTIONS.items():
             make = lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o)
             runs = [ev.decode_log_probs(model, w, make) for w in wins]
-            ppl = ev.perplexity([ev.nll_of(r, w) for r, w in zip(runs, wins)])
+            nlls = torch.cat([ev.token_nlls(r, w) for r, w in zip(runs, wins)])
+            change, error = ev.perplexity_change(reference_nlls, nlls)
             kl = sum(ev.mean_kl(ref, r) for ref, r in zip(reference, runs)) / len(runs)
-            change = 100 * (ppl / base - 1)
             mark = "" if change <= TARGETS.get(preset, float("inf")) else " ✗"
-            cells[(preset, column)] = f"{change:+.1f} %{mark} / {kl:.3f}"
+            cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark} / {kl:.3f}"
             done += 1
             progress(done, total, f"{name}: {preset[11:]} {column}", start)
     lines = ["| preset (target) | " + " | ".join(OPTIONS) + " |", "|---|" + "---|" * len(OPTIONS)]
@@ -69,7 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(assets.MODEL_NAMES), choices=assets.MODEL_NAMES)
     p.add_argument("--presets", nargs="+", default=PRESETS, choices=list(ALL_PRESETS))
-    p.add_argument("--windows", type=int, default=1)
+    p.add_argument("--windows", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
     torch.manual_seed(0)
@@ -78,8 +79,9 @@ def main() -> None:
         a.out, "targets", "benchmarks/targets.py",
         "## Against the quality targets: each preset alone, calibrated, with exact recent tokens, and both",
         f"Decode perplexity against the plain cache, {a.windows} window(s) of 2,048 tokens, the last 256 decoded "
-        "one at a time; each cell is the perplexity change / the mean KL(plain || cache) per predicted token in "
-        "nats; ✗ marks a cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). Columns: "
+        "one at a time; each cell is the perplexity change ± its standard error (paired per token with the plain "
+        "cache) / the mean KL(plain || cache) per predicted token in nats; ✗ marks a cell past its preset's "
+        "target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). Columns: "
         "`TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.",
         sections)
 

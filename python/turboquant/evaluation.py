@@ -132,10 +132,28 @@ def decode_log_probs(model, window: torch.Tensor, kind: CacheKind, tail: int = 2
     return torch.stack(out)
 
 
+def token_nlls(log_probs: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """NLL ``[positions]`` of each token ``log_probs`` (decode_log_probs) predicts: the last of ``window``."""
+    targets = window[0, window.shape[1] - log_probs.shape[0]:].cpu()
+    return -log_probs.gather(1, targets[:, None])[:, 0]
+
+
 def nll_of(log_probs: torch.Tensor, window: torch.Tensor) -> tuple[float, int]:
     """Summed NLL of the tokens ``log_probs`` (decode_log_probs) predict, the last of ``window``, and the count."""
-    targets = window[0, window.shape[1] - log_probs.shape[0]:].cpu()
-    return -log_probs.gather(1, targets[:, None]).sum().item(), log_probs.shape[0]
+    return token_nlls(log_probs, window).sum().item(), log_probs.shape[0]
+
+
+def perplexity_change(reference: torch.Tensor, nlls: torch.Tensor) -> tuple[float, float]:
+    """Perplexity change in percent of ``nlls`` against ``reference`` (per-token NLLs of the same
+    tokens), and its standard error: the perplexity ratio is ``exp(mean(d))`` with ``d`` the
+    per-token NLL differences, whose spread gives the error (tokens taken as independent, so it is
+    a lower bound where neighbouring tokens' losses move together)."""
+    if reference.shape != nlls.shape or reference.dim() != 1 or reference.numel() < 2:
+        raise ValueError(f"turboquant: perplexity_change needs two equal 1-D NLL tensors of 2+ tokens, got "
+                         f"{tuple(reference.shape)} and {tuple(nlls.shape)}")
+    d = nlls.double() - reference.double()
+    ratio = math.exp(d.mean().item())
+    return 100 * (ratio - 1), 100 * ratio * d.std().item() / math.sqrt(d.numel())
 
 
 def mean_kl(reference: torch.Tensor, log_probs: torch.Tensor) -> float:
