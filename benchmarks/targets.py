@@ -1,14 +1,22 @@
 """The quality targets on real models: each preset alone, with each of the cache's two quality
 options (``calibrate=True``; ``exact_recent=64``) and with both, against the plain cache.
 
-    python benchmarks/targets.py [--models ...] [--presets ...] [--windows 3] [--out benchmarks/RESULTS.md]
+    python benchmarks/targets.py [--protocol decode|serving] [--models ...] [--presets ...] [--windows 3]
+                                 [--out benchmarks/RESULTS.md]
 
-Decode protocol of turboquant/evaluation.py: a 2,048-token window, its last 256 tokens decoded
-one at a time, each step reading the cache (the case that loses most); the first and last two
-layers plain (the library's default). Each cell: the perplexity change against the plain cache
-and the mean KL(plain || cache) per predicted token, in nats. Same packed bytes per token in every
-column; ``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context.
-Writes the ``targets`` section of RESULTS.md.
+Protocols of turboquant/evaluation.py, over 2,048-token windows, the first and last two layers plain
+(the library's default):
+
+* ``decode`` (the default; the case that loses most): the window's last 256 tokens decoded one at
+  a time, each step reading the cache. Each cell: the perplexity change against the plain cache
+  and the mean KL(plain || cache) per predicted token, in nats. Writes the ``targets`` section.
+* ``serving``: the window fed in 256-token chunks, each attending to its own raw K/V and the packed
+  cache of the earlier chunks, as a serving engine's prefill does. Each cell: the perplexity
+  change. Writes the ``targets-serving`` section.
+
+Each perplexity change comes with its standard error, paired per token with the plain cache
+(``evaluation.perplexity_change``). Same packed bytes per token in every column;
+``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context.
 """
 
 from __future__ import annotations
@@ -39,23 +47,28 @@ OPTIONS = {
 TARGETS = {"turboquant_k8v4": 1.0, "turboquant_4bit_nc": 3.0, "turboquant_k3v4_nc": 8.0}
 
 
-def model_table(name: str, windows: int, presets: list[str]) -> tuple[list[str], str]:
+def model_table(name: str, windows: int, presets: list[str], protocol: str) -> tuple[list[str], str]:
     model, tok = assets.load_model(name=name)
     wins = ev.windows(tok(assets.text(), return_tensors="pt").input_ids, 2048, windows)
     start = time.time()
-    reference = [ev.decode_log_probs(model, w, DynamicCache) for w in wins]
-    reference_nlls = torch.cat([ev.token_nlls(r, w) for r, w in zip(reference, wins)])
+
+    def measure(make, reference=None):  # -> per-token NLLs of every window, their log-probs or None, KL or None
+        if protocol == "serving":
+            return torch.cat([ev.serving_token_nlls(model, w, make) for w in wins]), None, None
+        runs = [ev.decode_log_probs(model, w, make) for w in wins]
+        kl = None if reference is None else sum(ev.mean_kl(ref, r) for ref, r in zip(reference, runs)) / len(runs)
+        return torch.cat([ev.token_nlls(r, w) for r, w in zip(runs, wins)]), runs, kl
+
+    reference_nlls, reference, _ = measure(DynamicCache)
     base = reference_nlls.double().mean().exp().item()
     cells, done, total = {}, 0, len(presets) * len(OPTIONS)
     for preset in presets:
         for column, options in OPTIONS.items():
-            make = lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o)
-            runs = [ev.decode_log_probs(model, w, make) for w in wins]
-            nlls = torch.cat([ev.token_nlls(r, w) for r, w in zip(runs, wins)])
+            nlls, _, kl = measure(lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o),
+                                  reference)
             change, error = ev.perplexity_change(reference_nlls, nlls)
-            kl = sum(ev.mean_kl(ref, r) for ref, r in zip(reference, runs)) / len(runs)
             mark = "" if change <= TARGETS.get(preset, float("inf")) else " ✗"
-            cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark} / {kl:.3f}"
+            cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark}" + ("" if kl is None else f" / {kl:.3f}")
             done += 1
             progress(done, total, f"{name}: {preset[11:]} {column}", start)
     lines = ["| preset (target) | " + " | ".join(OPTIONS) + " |", "|---|" + "---|" * len(OPTIONS)]
@@ -63,27 +76,32 @@ def model_table(name: str, windows: int, presets: list[str]) -> tuple[list[str],
         target = f"+{TARGETS[preset]:.0f} %" if preset in TARGETS else "none"
         lines.append(f"| {preset.replace('turboquant_', '')} ({target}) | "
                      + " | ".join(cells[(preset, c)] for c in OPTIONS) + " |")
-    return lines, f"plain-cache decode perplexity {base:.2f}; {time.time() - start:.0f} s"
+    return lines, f"plain-cache {protocol} perplexity {base:.2f}; {time.time() - start:.0f} s"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--protocol", choices=["decode", "serving"], default="decode")
     p.add_argument("--models", nargs="+", default=list(assets.MODEL_NAMES), choices=assets.MODEL_NAMES)
     p.add_argument("--presets", nargs="+", default=PRESETS, choices=list(ALL_PRESETS))
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
     torch.manual_seed(0)
-    sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets))
+    sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets, a.protocol))
+    cells = ("the perplexity change ± its standard error (paired per token with the plain cache)"
+             + (" / the mean KL(plain || cache) per predicted token in nats" if a.protocol == "decode" else ""))
+    how = ("the last 256 decoded one at a time" if a.protocol == "decode" else
+           "fed in 256-token chunks that attend to their own raw K/V and the packed earlier chunks")
     write_model_sections(
-        a.out, "targets", "benchmarks/targets.py",
-        "## Against the quality targets: each preset alone, calibrated, with exact recent tokens, and both",
-        f"Decode perplexity against the plain cache, {a.windows} window(s) of 2,048 tokens, the last 256 decoded "
-        "one at a time; each cell is the perplexity change ± its standard error (paired per token with the plain "
-        "cache) / the mean KL(plain || cache) per predicted token in nats; ✗ marks a cell past its preset's "
-        "target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). Columns: "
-        "`TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.",
+        a.out, "targets" if a.protocol == "decode" else "targets-serving", "benchmarks/targets.py",
+        f"## Against the quality targets ({a.protocol}): each preset alone, calibrated, with exact recent tokens, "
+        "and both",
+        f"{a.protocol.capitalize()} perplexity against the plain cache, {a.windows} window(s) of 2,048 tokens, {how}; "
+        f"each cell is {cells}; ✗ marks a cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). "
+        "Columns: `TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.",
         sections)
+
 
 if __name__ == "__main__":
     main()

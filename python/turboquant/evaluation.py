@@ -98,9 +98,9 @@ def windows(ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
     return [ids[:, i * length:(i + 1) * length] for i in range(count)]
 
 
-def serving_nll(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> tuple[float, int]:
-    """Summed negative log-likelihood of ``window[1:]`` fed in chunks, and the count."""
-    cache, total, count = kind(), 0.0, 0
+def serving_token_nlls(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> torch.Tensor:
+    """NLL ``[len - 1]`` (float32, CPU) of each token of ``window[1:]``, the window fed in chunks."""
+    cache, nlls = kind(), []
     device = next(model.parameters()).device
     window = window.to(device)
     previous = None
@@ -108,13 +108,17 @@ def serving_nll(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) 
         ids = window[:, start:start + chunk]
         logits = _forward(model, ids, cache)[0].float()
         if previous is not None:  # the last logit of the previous chunk predicts this chunk's first token
-            total += F.cross_entropy(previous[None], ids[0, :1], reduction="sum").item()
-            count += 1
+            nlls.append(F.cross_entropy(previous[None], ids[0, :1], reduction="none"))
         if ids.shape[1] > 1:
-            total += F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").item()
-            count += ids.shape[1] - 1
+            nlls.append(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none"))
         previous = logits[-1]
-    return total, count
+    return torch.cat(nlls).cpu()
+
+
+def serving_nll(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> tuple[float, int]:
+    """Summed negative log-likelihood of ``window[1:]`` fed in chunks, and the count."""
+    nlls = serving_token_nlls(model, window, kind, chunk)
+    return nlls.double().sum().item(), nlls.numel()
 
 
 def decode_log_probs(model, window: torch.Tensor, kind: CacheKind, tail: int = 256, chunk: int = 256) -> torch.Tensor:

@@ -38,6 +38,31 @@ def test_perplexity_change_refuses_unpaired_nlls(shapes):
         ev.perplexity_change(torch.zeros(shapes[0]), torch.zeros(shapes[1]))
 
 
+def _tiny_model():
+    transformers = pytest.importorskip("transformers", reason="the protocols run transformers models")
+    from transformers.models.qwen2 import Qwen2Config
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_chunked_protocols_give_the_nll_of_one_full_forward():
+    from transformers import DynamicCache
+    model = _tiny_model()
+    window = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(window).logits[0].double().log_softmax(-1)  # no cache: the reference
+    expected = -full[:-1].gather(1, window[0, 1:, None])[:, 0]  # NLL of tokens 1..39
+    serving = ev.serving_token_nlls(model, window, DynamicCache, chunk=16)
+    assert serving.shape == (39,)
+    torch.testing.assert_close(serving.double(), expected, atol=1e-4, rtol=1e-4)
+    total, count = ev.serving_nll(model, window, DynamicCache, chunk=16)
+    assert count == 39 and total == pytest.approx(expected.sum().item(), rel=1e-5)
+    decoded = ev.token_nlls(ev.decode_log_probs(model, window, DynamicCache, tail=8, chunk=16), window)
+    torch.testing.assert_close(decoded.double(), expected[-8:], atol=1e-4, rtol=1e-4)
+
+
 def test_mean_kl_is_the_mean_over_positions_of_the_kl_divergence():
     torch.manual_seed(2)
     p = torch.randn(4, 7, dtype=torch.float64).log_softmax(-1)
