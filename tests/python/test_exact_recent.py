@@ -90,10 +90,10 @@ def _check_every_path(preset, option, calibration, device, dtype, tolerance):
             s, e = starts[b], starts[b + 1]
             n = int(meta.seq_lens[b])
             kb, vb = keys[b, :n].double().clone(), values[b, :n].double().clone()
-            exact = slice(max(n - R, 0), n) if i > 0 else slice(0, n)  # the ring; a first chunk: all raw
+            # exact: a first chunk all of it; a decode its last R positions (itself one of them); a
+            # continuation chunk its own tokens and the R before them
+            exact = slice(0, n) if i == 0 else slice(max(n - R - (e - s if e - s > 1 else 0), 0), n)
             kb[exact], vb[exact] = raw_k[b, exact].double(), raw_v[b, exact].double()
-            if e - s > 1:  # a continuation chunk attends to its own raw K/V too
-                kb[n - (e - s):], vb[n - (e - s):] = raw_k[b, n - (e - s):n].double(), raw_v[b, n - (e - s):n].double()
             ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], SCALE, **options)
             assert rel_err(out[s:e], ref) < tolerance, (i, b)
 
