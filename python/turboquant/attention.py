@@ -228,11 +228,11 @@ class PagedAttentionLayer:
                                      self.recent.count if self.recent is not None else 0)
             store_kv(key, value, self.cache, slot_mapping, self.preset, **self._transform_args)
 
-    def _store_recent(self, key, value, meta: StepMetadata, tokens: tuple[int, int] | None = None) -> None:
-        """The step's tokens (those in ``tokens``, a ``[first, end)`` range of the step's tokens, when
-        given) into the rings of exact recent tokens (a no-op without them)."""
+    def _recent_entries(self, key, meta: StepMetadata):
+        """Where the step's tokens go in the rings of exact recent tokens: ``(sequence, position,
+        stored)``, one entry per token of the step's rows in order (None without rings)."""
         if self.recent is None:
-            return
+            return None
         if meta.sequence_ids is None:
             raise ValueError("turboquant: a layer with exact_recent needs steps that name their sequences "
                              "(StepMetadata.sequence_ids and num_sequences; turboquant.hf gives them)")
@@ -240,23 +240,30 @@ class PagedAttentionLayer:
         rows = meta.seq_lens.shape[0]
         stored = meta.slot_mapping >= 0
         if meta.num_decodes == rows:  # one token per sequence, at its last position
-            sequence, position = meta.sequence_ids, meta.seq_lens.long() - 1
-        else:
-            starts, _ = meta.host_bounds()
-            counts = torch.tensor([starts[i + 1] - starts[i] for i in range(rows)], device=key.device)
-            row = torch.repeat_interleave(torch.arange(rows, device=key.device), counts)
-            length = meta.seq_lens.long().index_select(0, row)
-            chunk_end = meta.query_start_loc.long()[1:].index_select(0, row)
-            position = length - (chunk_end - torch.arange(starts[-1], device=key.device))
-            sequence = meta.sequence_ids.index_select(0, row)
-            # Only a sequence's last `count` tokens enter its ring: they take distinct entries
-            # (index_put keeps an unspecified one of several writes to one entry).
-            stored = stored[:starts[-1]] & (position >= length - self.recent.count)
-        count = position.shape[0]
-        if tokens is not None:
-            index = torch.arange(count, device=key.device)
-            stored = stored & (index >= tokens[0]) & (index < tokens[1])
-        self.recent.store(key[:count], value[:count], sequence, position, stored)
+            return meta.sequence_ids, meta.seq_lens.long() - 1, stored
+        starts, _ = meta.host_bounds()
+        counts = torch.tensor([starts[i + 1] - starts[i] for i in range(rows)], device=key.device)
+        row = torch.repeat_interleave(torch.arange(rows, device=key.device), counts)
+        length = meta.seq_lens.long().index_select(0, row)
+        chunk_end = meta.query_start_loc.long()[1:].index_select(0, row)
+        position = length - (chunk_end - torch.arange(starts[-1], device=key.device))
+        # Only a sequence's last `count` tokens enter its ring: they take distinct entries
+        # (index_put keeps an unspecified one of several writes to one entry).
+        stored = stored[:starts[-1]] & (position >= length - self.recent.count)
+        return meta.sequence_ids.index_select(0, row), position, stored
+
+    def _put_recent(self, key, value, entries, tokens: slice = slice(None)) -> None:
+        """The step's tokens ``tokens`` into the rings at their ``entries`` (``_recent_entries``)."""
+        if entries is None:
+            return
+        sequence, position, stored = (t[tokens] for t in entries)
+        if position.numel():
+            count = entries[1].shape[0]
+            self.recent.store(key[:count][tokens], value[:count][tokens], sequence, position, stored)
+
+    def _store_recent(self, key, value, meta: StepMetadata) -> None:
+        """The step's tokens into the rings of exact recent tokens (a no-op without them)."""
+        self._put_recent(key, value, self._recent_entries(key, meta))
 
     def store(self, key, value, meta: StepMetadata) -> None:
         """Stores a step's K/V without attending (a cache filled from another one)."""
@@ -350,10 +357,10 @@ class PagedAttentionLayer:
         # attended. Stored first, a chunk of R or more tokens pushed every token before it out of the
         # ring: fed in 256-token chunks, SmolLM2-135M's per-token losses with exact_recent=64 were
         # bit-identical to those without it.
-        decodes = meta.num_decodes  # the first rows, one token each
-        self._store_recent(key, value, meta, (0, decodes))
+        entries, decodes = self._recent_entries(key, meta), meta.num_decodes  # decodes: the first rows, a token each
+        self._put_recent(key, value, entries, slice(0, decodes))
         out = self.attend(query, key, value, meta, scale)
-        self._store_recent(key, value, meta, (decodes, key.shape[0]))
+        self._put_recent(key, value, entries, slice(decodes, None))
         return out
 
     def attend(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
