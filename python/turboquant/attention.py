@@ -28,6 +28,9 @@ cache (``turboquant.recent``): decode steps attend to the older positions on the
 to the last R exactly, merged by their log-sum-exps; a continuation chunk gets the R positions
 before it put back into its dequantized prefix (it takes that path at every length; its own K/V
 are raw). Its steps name their sequences (``StepMetadata.sequence_ids``).
+``exact_first=F`` (a whole number of blocks) keeps each sequence's first F raw K/V the same way:
+decode steps read the packed cache from the block after them on. A calibrated layer keeps its
+attention sinks so (``Calibration.exact_sinks``; turboquant.hf sets it to one block).
 
 A pure-decode step (every sequence decodes one token) makes no host synchronisation, for either
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables
@@ -53,7 +56,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .cache import allocate_kv_cache
 from .calibration import Calibration, KVTransform, fit
 from .ops import decode, decode_varlen, dequantize, head_dim_for_slot, store_kv
-from .recent import RecentTokens, merge_by_lse
+from .recent import FirstTokens, RecentTokens, merge_by_lse
 
 
 @dataclass
@@ -137,12 +140,21 @@ class PagedAttentionLayer:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset: str | None,
                  device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
                  calibration: Calibration | None = None, window_left: int = -1, softcap: float = 0.0,
-                 sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None, exact_recent: int = 0):
+                 sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None, exact_recent: int = 0,
+                 exact_first: int = 0):
         """``cache``: a packed cache to attend over instead of allocating one (see ``over_cache``).
-        ``exact_recent``: the last this many tokens of each sequence attend exactly (module docstring)."""
+        ``exact_recent``, ``exact_first``: the last and the first this many tokens of each sequence
+        attend exactly (module docstring); ``exact_first`` is a multiple of ``block_size``."""
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.recent = (RecentTokens(exact_recent, num_kv_heads, head_dim, dtype, device)
                        if exact_recent != 0 and preset is not None else None)
+        if isinstance(exact_first, bool) or not isinstance(exact_first, int) or exact_first < 0 or exact_first % block_size:
+            raise ValueError(f"turboquant: exact_first must be a multiple of block_size ({block_size}) >= 0, got "
+                             f"{exact_first!r}")
+        self.first = (FirstTokens(exact_first, exact_recent, num_kv_heads, head_dim, dtype, device)
+                      if exact_first and preset is not None else None)
+        # Every store of raw tokens beside the packed cache, first tokens first.
+        self.exact_tokens = [t for t in (self.first, self.recent) if t is not None]
         self.varlen_threshold = varlen_threshold
         self._recipe = calibration if preset is not None else None
         self.transform: KVTransform | None = None  # fitted on the first store when calibrating
@@ -225,55 +237,64 @@ class PagedAttentionLayer:
         else:
             if self.calibration is not None and self.transform is None:
                 self.transform = fit(key, value, query_start_loc, self.calibration, query, self.preset, scale,
-                                     self.recent.count if self.recent is not None else 0)
+                                     self.recent.count if self.recent is not None else 0,
+                                     self.first.count if self.first is not None else 0)
             store_kv(key, value, self.cache, slot_mapping, self.preset, **self._transform_args)
 
-    def _recent_entries(self, key, meta: StepMetadata):
-        """Where the step's tokens go in the rings of exact recent tokens: ``(sequence, position,
-        stored)``, one entry per token of the step's rows in order (None without rings)."""
-        if self.recent is None:
+    def _exact_entries(self, key, meta: StepMetadata):
+        """Where the step's tokens are in their sequences, for the stores of exact tokens:
+        ``(sequence, position, length, stored)``, one entry per token of the step's rows in order
+        (None without such stores)."""
+        if not self.exact_tokens:
             return None
         if meta.sequence_ids is None:
-            raise ValueError("turboquant: a layer with exact_recent needs steps that name their sequences "
-                             "(StepMetadata.sequence_ids and num_sequences; turboquant.hf gives them)")
-        self.recent.reserve(meta.num_sequences)
+            raise ValueError("turboquant: a layer with exact_recent or exact_first needs steps that name their "
+                             "sequences (StepMetadata.sequence_ids and num_sequences; turboquant.hf gives them)")
+        for exact in self.exact_tokens:
+            exact.reserve(meta.num_sequences)
         rows = meta.seq_lens.shape[0]
         stored = meta.slot_mapping >= 0
         if meta.num_decodes == rows:  # one token per sequence, at its last position
-            return meta.sequence_ids, meta.seq_lens.long() - 1, stored
+            length = meta.seq_lens.long()
+            return meta.sequence_ids, length - 1, length, stored
         starts, _ = meta.host_bounds()
         counts = torch.tensor([starts[i + 1] - starts[i] for i in range(rows)], device=key.device)
         row = torch.repeat_interleave(torch.arange(rows, device=key.device), counts)
         length = meta.seq_lens.long().index_select(0, row)
         chunk_end = meta.query_start_loc.long()[1:].index_select(0, row)
         position = length - (chunk_end - torch.arange(starts[-1], device=key.device))
-        # Only a sequence's last `count` tokens enter its ring: they take distinct entries
-        # (index_put keeps an unspecified one of several writes to one entry).
-        stored = stored[:starts[-1]] & (position >= length - self.recent.count)
-        return meta.sequence_ids.index_select(0, row), position, stored
+        return meta.sequence_ids.index_select(0, row), position, length, stored[:starts[-1]]
 
-    def _put_recent(self, key, value, entries, tokens: slice = slice(None)) -> None:
-        """The step's tokens ``tokens`` into the rings at their ``entries`` (``_recent_entries``)."""
+    def _put_exact(self, key, value, entries, tokens: slice = slice(None)) -> None:
+        """The step's tokens ``tokens`` into the stores of exact tokens at their ``entries``
+        (``_exact_entries``). Only the tokens a store keeps enter it (a sequence's last ``count``,
+        or its first): they take distinct entries, where index_put would keep an unspecified one
+        of several writes to one entry."""
         if entries is None:
             return
-        sequence, position, stored = (t[tokens] for t in entries)
+        sequence, position, length, stored = (t[tokens] for t in entries)
         if position.numel():
             count = entries[1].shape[0]
-            self.recent.store(key[:count][tokens], value[:count][tokens], sequence, position, stored)
+            for exact in self.exact_tokens:
+                exact.store(key[:count][tokens], value[:count][tokens], sequence, position,
+                            stored & exact.enters(position, length))
 
-    def _store_recent(self, key, value, meta: StepMetadata) -> None:
-        """The step's tokens into the rings of exact recent tokens (a no-op without them)."""
-        self._put_recent(key, value, self._recent_entries(key, meta))
+    def _store_exact(self, key, value, meta: StepMetadata) -> None:
+        """The step's tokens into the stores of exact tokens (a no-op without them)."""
+        self._put_exact(key, value, self._exact_entries(key, meta))
 
     def store(self, key, value, meta: StepMetadata) -> None:
         """Stores a step's K/V without attending (a cache filled from another one)."""
         self._store(key, value, meta.slot_mapping, meta.host_bounds()[0])
-        self._store_recent(key, value, meta)
+        self._store_exact(key, value, meta)
 
     def refill_recent(self, block_table: torch.Tensor, seq_lens: list[int]) -> None:
         """After positions were forgotten (a crop): sequence id ``i`` (``block_table`` row ``i``) keeps
         its positions ``< seq_lens[i]``, and the ring entries it lost come back from its packed
-        cache, so its last ``exact_recent`` positions are all in the ring again (those few packed)."""
+        cache, so its last ``exact_recent`` positions are all in the ring again (those few packed).
+        Its first tokens (``exact_first``) past the crop are forgotten."""
+        if self.first is not None:
+            self.first.forget_from(seq_lens)
         if self.recent is None:
             return
         self.recent.forget_from(seq_lens)
@@ -317,24 +338,33 @@ class PagedAttentionLayer:
             out = dense_attention(q4, k4, v4, mask, scale, self.softcap, self.sinks)
         return out[0].transpose(0, 1)
 
-    def _decode_with_recent(self, query, block_table, seq_lens, scale, sequence):
-        """``_decode`` with exact recent tokens: positions ``[0, L - R)`` on the packed cache (with
-        its log-sum-exp), the last R from the ring, merged. The packed call's window is the layer's
-        less R, so that it still starts at the query's ``L - 1 - window_left``."""
-        r, window = self.recent.count, self.window_left
-        packed_lens = (seq_lens - r).clamp_min(0).to(seq_lens.dtype)
+    def _decode_with_exact(self, query, block_table, seq_lens, scale, sequence):
+        """``_decode`` with exact tokens: positions ``[F, L - R)`` on the packed cache (with its
+        log-sum-exp; the table from the block after the first F tokens on), the first F and the
+        last R from their stores, merged. The packed call's window is the layer's less R, so that
+        it still starts at the query's ``L - 1 - window_left`` (the F skipped positions shift the
+        query and the keys alike)."""
+        r = self.recent.count if self.recent is not None else 0
+        f = self.first.count if self.first is not None else 0
+        window = self.window_left
+        packed_lens = (seq_lens - r - f).clamp_min(0).to(seq_lens.dtype)
         packed_window = window - r if window >= 0 else -1
         if window >= 0 and packed_window < 0:  # the whole window lies among the exact tokens
             packed_lens, packed_window = torch.zeros_like(packed_lens), -1
+        if f and block_table.shape[1] > f // self.block_size:  # else nothing is packed past them
+            block_table = block_table[:, f // self.block_size:].contiguous()
         out, lse = decode(query, self.cache, block_table, packed_lens, self.preset, scale, window_left=packed_window,
                           softcap=self.softcap, sinks=self.sinks, return_lse=True, **self._transform_args)
-        exact_out, exact_lse = self.recent.attend(query, sequence, seq_lens, scale, window, self.softcap)
-        return merge_by_lse(out, lse, exact_out, exact_lse).to(query.dtype)
+        for exact in self.exact_tokens:
+            exact_out, exact_lse = exact.attend(query, sequence, seq_lens, scale, window, self.softcap)
+            out = merge_by_lse(out, lse, exact_out, exact_lse)
+            lse = torch.logaddexp(lse, exact_lse)
+        return out.to(query.dtype)
 
     def _decode(self, query, block_table, seq_lens, scale, sequence=None):
         """One new token per sequence, query [B, Hq, D], without host synchronisation."""
-        if self.recent is not None:
-            return self._decode_with_recent(query, block_table, seq_lens, scale, sequence)
+        if self.exact_tokens:
+            return self._decode_with_exact(query, block_table, seq_lens, scale, sequence)
         if self.preset is not None:
             return decode(query, self.cache, block_table, seq_lens, self.preset, scale, **self._options,
                           **self._transform_args)
@@ -349,7 +379,7 @@ class PagedAttentionLayer:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]: stores the step's K/V, then attends."""
         if meta.num_decodes == meta.seq_lens.shape[0]:  # pure decode: capturable in a CUDA graph
             self._store(key, value, meta.slot_mapping, [])  # positions unknown: no skip_first
-            self._store_recent(key, value, meta)
+            self._store_exact(key, value, meta)
             return self.attend(query, key, value, meta, scale)
         self._store(key, value, meta.slot_mapping, meta.host_bounds()[0], query, scale)
         # A decoding token is among its own exact recent ones; a chunk attends to itself raw and
@@ -357,10 +387,10 @@ class PagedAttentionLayer:
         # attended. Stored first, a chunk of R or more tokens pushed every token before it out of the
         # ring: fed in 256-token chunks, SmolLM2-135M's per-token losses with exact_recent=64 were
         # bit-identical to those without it.
-        entries, decodes = self._recent_entries(key, meta), meta.num_decodes  # decodes: the first rows, a token each
-        self._put_recent(key, value, entries, slice(0, decodes))
+        entries, decodes = self._exact_entries(key, meta), meta.num_decodes  # decodes: the first rows, a token each
+        self._put_exact(key, value, entries, slice(0, decodes))
         out = self.attend(query, key, value, meta, scale)
-        self._put_recent(key, value, entries, slice(decodes, None))
+        self._put_exact(key, value, entries, slice(decodes, None))
         return out
 
     def attend(self, query, key, value, meta: StepMetadata, scale: float) -> torch.Tensor:
@@ -382,7 +412,7 @@ class PagedAttentionLayer:
             q_len, cached_before = e - s, lens[b] - (e - s)
             if cached_before == 0:  # first chunk: raw K/V, causal
                 out[s:e] = self._sdpa(query[s:e], key[s:e], value[s:e], scale)
-            elif self.preset is not None and q_len <= self.varlen_threshold and self.recent is None:
+            elif self.preset is not None and q_len <= self.varlen_threshold and not self.exact_tokens:
                 on_packed.append(b)
             else:  # the cached prefix dequantized, then the chunk's own raw K/V
                 # With a window, from the block of the first query's window start on: blocks wholly
@@ -393,8 +423,8 @@ class PagedAttentionLayer:
                 kept = cached_before - skip * self.block_size
                 k, v = self._dense(meta.block_table[b:b + 1, skip:], meta.seq_lens[b:b + 1] - q_len - skip * self.block_size)
                 k, v = k[0, :kept], v[0, :kept]
-                if self.recent is not None:
-                    self.recent.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)
+                for exact in self.exact_tokens:
+                    exact.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)
                 k = torch.cat([k.to(key.dtype), key[s:e]])
                 v = torch.cat([v.to(value.dtype), value[s:e]])
                 out[s:e] = self._sdpa(query[s:e], k, v, scale)

@@ -46,7 +46,13 @@ class Calibration:
     270M and from +2.6 / +4.9 % to -1.0 / +0.4 % on Qwen2.5-0.5B; on SmolLM2-135M, whose serving
     loss is small without it, from -0.1 / +0.5 % to +0.2 / +2.0 % (centering there moves its
     low-norm sink keys, docs/QUALITY.md). ``min_tokens``: a first chunk with fewer usable tokens
-    fits nothing (identity)."""
+    fits nothing (identity). ``exact_sinks``: where keys are centered, each sequence's first cache
+    block (its attention-sink tokens, left out of the fit) is also kept raw beside the packed cache
+    and attended exactly (``turboquant.hf``; ``PagedAttentionLayer(exact_first=...)``). Centering
+    moves a low-norm sink key to a typical norm, and with it the quantization error of the key
+    most of a head's attention goes to: SmolLM2-135M's serving k3v4_nc was +1.7 % calibrated
+    without it, +0.5 % uncalibrated, +0.2 % calibrated with only position 0 raw (docs/QUALITY.md).
+    Costs ``block_size x 2 x D`` raw elements per sequence, KV head and layer."""
 
     center_keys: bool = True
     smooth_keys: float = 0.5
@@ -57,6 +63,7 @@ class Calibration:
     min_tokens: int = 16
     measure: bool = True
     measure_tokens: int = 512
+    exact_sinks: bool = True
 
     def __post_init__(self):
         if not 0 <= self.min_offset < 1:
@@ -159,19 +166,20 @@ class KVTransform:
 
 def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], calibration: Calibration,
         query: torch.Tensor | None = None, preset: str | None = None, scale: float | None = None,
-        exact_recent: int = 0) -> KVTransform:
+        exact_recent: int = 0, exact_first: int = 0) -> KVTransform:
     """Fits ``μ, s, ν`` from ``key, value [N, Hkv, D]``: the tokens of the sequences that start at
     ``query_start_loc[b]`` (their positions 0.. in the sequence), the first ``skip_first`` of each
     and outliers left out. With ``calibration.measure``, the chunk's ``query [N, Hq, D]``, the
     cache's ``preset`` and the attention's ``scale`` (default ``D ** -0.5``), each head keeps the
-    candidate that ``_choose_per_head`` measures best (without them, ``min_offset`` decides)."""
+    candidate that ``_choose_per_head`` measures best (without them, ``min_offset`` decides), over the
+    positions the layer reads packed (not its last ``exact_recent`` nor its first ``exact_first``)."""
     key_transforms = calibration.center_keys or calibration.smooth_keys > 0
     if calibration.measure and query is not None and preset is not None and key_transforms:
         everything = fit(key, value, query_start_loc, replace(calibration, measure=False, min_offset=0.0))
         if everything.key_offset is None and everything.key_scale is None:  # too few tokens: nothing to choose
             return everything
         return _choose_per_head(query, key, value, query_start_loc, preset, everything, calibration,
-                                scale if scale is not None else key.shape[-1] ** -0.5, exact_recent)
+                                scale if scale is not None else key.shape[-1] ** -0.5, exact_recent, exact_first)
     keep = torch.ones(key.shape[0], dtype=torch.bool, device=key.device)
     for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
         keep[start:min(end, start + calibration.skip_first)] = False
@@ -200,7 +208,8 @@ def fit(key: torch.Tensor, value: torch.Tensor, query_start_loc: list[int], cali
 
 
 def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KVTransform,
-                     calibration: Calibration, scale: float, exact_recent: int = 0) -> KVTransform:
+                     calibration: Calibration, scale: float, exact_recent: int = 0,
+                     exact_first: int = 0) -> KVTransform:
     """Per KV head, the candidate of ``fitted`` (identity; its centering; its centering and
     smoothing, or its smoothing where centering is off) whose packed keys change the attention
     output of the chunk's longest sequence's first ``measure_tokens`` queries least (relative error
@@ -217,13 +226,15 @@ def _choose_per_head(query, key, value, query_start_loc, preset: str, fitted: KV
     causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
     v = _wide(value[start:end]).double()
 
-    # With exact recent tokens, a query reads its last `exact_recent` positions raw: the packed
-    # keys' error only matters past them, and the choice is measured the same way.
-    raw = causal & (torch.arange(n, device=k.device)[:, None] - torch.arange(n, device=k.device)[None, :] < exact_recent)
+    # With exact tokens, a query reads its last `exact_recent` positions and the sequence's first
+    # `exact_first` raw: the packed keys' error only matters elsewhere, and the choice is measured
+    # the same way (the measured sequence starts at position 0).
+    position = torch.arange(n, device=k.device)
+    raw = causal & ((position[:, None] - position[None, :] < exact_recent) | (position[None, :] < exact_first))
 
     def attend(keys):  # -> [Hkv, group, n, D]
         logits = torch.einsum("nhgd,mhd->hgnm", q, keys) * scale
-        if exact_recent > 0:
+        if exact_recent > 0 or exact_first > 0:
             logits = torch.where(raw, torch.einsum("nhgd,mhd->hgnm", q, k) * scale, logits)
         return torch.einsum("hgnm,mhd->hgnd", logits.masked_fill(~causal, float("-inf")).softmax(-1), v)
 

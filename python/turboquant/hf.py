@@ -259,11 +259,12 @@ class TurboQuantLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, layer_idx: int, preset: str, sequences: _PagedSequences, varlen_threshold: int,
-                 reserve_tokens: int | None = None, calibration: Calibration | None = None, exact_recent: int = 0):
+                 reserve_tokens: int | None = None, calibration: Calibration | None = None, exact_recent: int = 0,
+                 exact_first: int = 0):
         super().__init__()
         self.layer_idx, self.preset, self.sequences = layer_idx, preset, sequences
         self.varlen_threshold, self.reserve_tokens = varlen_threshold, reserve_tokens
-        self.calibration, self.exact_recent = calibration, exact_recent
+        self.calibration, self.exact_recent, self.exact_first = calibration, exact_recent, exact_first
         self.attention: PagedAttentionLayer | None = None
         self.length = 0  # positions seen, padding included (what transformers counts)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -278,7 +279,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.attention = PagedAttentionLayer(blocks, block_size, num_kv_heads, head_dim, self.preset,
                                              device=key_states.device, dtype=key_states.dtype,
                                              varlen_threshold=self.varlen_threshold, calibration=self.calibration,
-                                             exact_recent=self.exact_recent)
+                                             exact_recent=self.exact_recent, exact_first=self.exact_first)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -345,11 +346,11 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def copy_blocks(self, old_ids: list[int], rows: list[int]) -> None:
         """New block ``i`` := old block ``old_ids[i]``, and sequence ``j`` takes sequence ``rows[j]``'s
-        exact recent tokens (see ``_PagedSequences.select``)."""
+        exact tokens (see ``_PagedSequences.select``)."""
         if self.attention is None:
             return
-        if self.attention.recent is not None:
-            self.attention.recent.select(rows)
+        for exact in self.attention.exact_tokens:
+            exact.select(rows)
         if not old_ids:
             return
         pool = self.attention.cache
@@ -398,7 +399,8 @@ class TurboQuantCache(Cache):
             attention error), a ``Calibration`` to choose, ``None`` for none. Same bytes per token;
             attention is unchanged up to the quantization, which loses less on keys with a shared
             offset or a few wide channels. Layers that soft-cap or have sinks keep only the
-            transformations that stay exact there (``Calibration.exact_for``).
+            transformations that stay exact there (``Calibration.exact_for``). Where keys are
+            centered, each sequence's first block is also kept raw (``Calibration.exact_sinks``).
         exact_recent: each sequence's last this many tokens also kept raw beside the packed cache
             and attended exactly (``turboquant.recent``): most of a long generation's loss is on
             its last tokens (SmolLM2 4bit_nc, decode perplexity: +6.2 % with 0, +0.9 % with 64;
@@ -432,6 +434,7 @@ class TurboQuantCache(Cache):
         exact = None if calibration is None else calibration.exact_for(
             softcap=bool(getattr(text_config, "attn_logit_softcapping", None)),
             sinks=_has_attention_sinks(text_config))
+        exact_first = block_size if exact is not None and exact.exact_sinks and exact.center_keys else 0
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         if isinstance(layer_kwargs, dict):  # transformers before 5.2x: one dict for every layer
             layer_kwargs = [layer_kwargs] * len(layer_types)
@@ -454,7 +457,7 @@ class TurboQuantCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:
                 layers.append(TurboQuantLayer(i, preset, self.sequences, varlen_threshold, reserve_tokens, exact,
-                                              exact_recent))
+                                              exact_recent, exact_first))
         for reason, indices in unserved.items():
             warnings.warn(f"turboquant: layers {indices} keep a plain cache: the packed cache does not serve "
                           f"{reason} yet", stacklevel=2)
@@ -494,7 +497,7 @@ class TurboQuantCache(Cache):
         self.sequences.crop(-tokens_to_remove)
         for i in self.quantized_layers:
             attention = self.layers[i].attention
-            if attention is not None and attention.recent is not None:
+            if attention is not None and attention.exact_tokens:
                 seqs = list(range(self.sequences.batch_size))
                 attention.refill_recent(self.sequences.table(seqs, attention.cache.device), self.sequences.lengths)
 
@@ -524,7 +527,7 @@ class TurboQuantCache(Cache):
 
     def packed_bytes(self) -> int:
         """Bytes of K/V the cache holds for its tokens: slots of the packed layers, their rings of
-        exact recent tokens (``exact_recent``, as allocated), plus the plain layers' tensors
+        exact tokens (``exact_recent``, the calibrated layers' first block; as allocated), plus the plain layers' tensors
         (allocated but unused blocks not counted)."""
         total = 0
         for i, layer in enumerate(self.layers):
@@ -532,9 +535,8 @@ class TurboQuantCache(Cache):
                 if layer.attention is not None:
                     slot = layer.attention.cache.shape[-1] * layer.attention.cache.shape[2]
                     total += slot * sum(self.sequences.lengths)
-                    recent = layer.attention.recent
-                    if recent is not None:
-                        total += 2 * recent.keys.numel() * recent.keys.element_size()
+                    for exact in layer.attention.exact_tokens:
+                        total += 2 * exact.keys.numel() * exact.keys.element_size()
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
         return total

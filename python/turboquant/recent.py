@@ -1,4 +1,4 @@
-"""The most recent tokens of each sequence kept exact beside the packed cache.
+"""Tokens of each sequence kept exact beside the packed cache: its most recent ones, and its first ones.
 
 Most of what a long generation loses to a 3-4-bit cache is lost on its last few tokens (local heads
 weigh them most; docs/QUALITY.md, *Where the decode loss is*): SmolLM2's 4bit_nc decode loss is
@@ -9,6 +9,10 @@ positions ``[0, L - count)`` on the packed cache and to ``[L - count, L)`` exact
 two by their log-sum-exps (``decode(..., return_lse=True)``); a chunk that attends to a dequantized
 prefix gets the ring's tokens put back into it. Cost: ``count x 2 x D`` raw elements per sequence,
 KV head and layer, whatever the context.
+
+``FirstTokens`` keeps each sequence's first positions the same way (a calibrated layer's attention
+sinks: ``turboquant.calibration``, ``Calibration.exact_sinks``); a decode step then reads the packed
+cache from the block after them on, so they are a whole number of cache blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class RecentTokens:
         grow = lambda t, fill: torch.cat([t[:-1], t.new_full((extra, *t.shape[1:]), fill), t[-1:]])
         self.keys, self.values, self.positions = grow(self.keys, 0), grow(self.values, 0), grow(self.positions, -1)
 
+    def enters(self, position: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Which tokens at ``position`` of sequences now ``length`` long the ring keeps: the last ``count``."""
+        return position >= length - self.count
+
     def store(self, key: torch.Tensor, value: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor,
               stored: torch.Tensor) -> None:
         """Token ``t`` (``key``/``value [T, Hkv, D]``) of sequence id ``sequence[t]`` at ``position[t]``
@@ -67,10 +75,14 @@ class RecentTokens:
         positions ``[max(L - count, 0), L)``, and within its window)."""
         pos = self.positions.index_select(0, sequence)
         lens = seq_lens.long()[:, None]
-        seen = (pos >= 0) & (pos < lens) & (pos >= lens - self.count)
+        seen = (pos >= 0) & self._attended(pos, lens)
         if window_left >= 0:
             seen &= pos >= lens - 1 - window_left
         return seen
+
+    def _attended(self, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Which held positions a decode row of a sequence ``lens`` long reads from here."""
+        return (pos < lens) & (pos >= lens - self.count)
 
     def attend(self, query: torch.Tensor, sequence: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                window_left: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +131,19 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     wa, wb = (lse_a - m).exp()[..., None], (lse_b - m).exp()[..., None]
     total = (wa + wb).clamp_min(torch.finfo(torch.float32).tiny)
     return (wa * out_a.float() + wb * out_b.float()) / total
+
+
+class FirstTokens(RecentTokens):
+    """The raw K/V of each sequence's first ``count`` positions (entry ``p`` holds position ``p``),
+    attended exactly up to where a ``RecentTokens`` of ``recent`` entries takes over. A crop forgets
+    the positions past it (``forget_from``); the sequence's next tokens there enter as they are stored."""
+
+    def __init__(self, count: int, recent: int, num_kv_heads: int, head_dim: int, dtype, device):
+        super().__init__(count, num_kv_heads, head_dim, dtype, device)
+        self.recent = recent
+
+    def enters(self, position: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        return position < self.count
+
+    def _attended(self, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return pos < lens - self.recent  # the recent ring holds the rest

@@ -173,10 +173,11 @@ def test_measured_calibration_without_queries_falls_back_to_min_offset():
                    preset="turboquant_4bit_nc")
     assert measured.key_offset[0].abs().max() > 1  # centering pays where the offset is large
 
-def test_measured_choice_with_exact_recent_tokens_scores_only_the_packed_positions():
-    """A layer keeping its last R tokens raw chooses by the error past them: with R covering the
-    whole measured chunk no candidate changes anything, and the tie keeps the identity (the same
-    keys that, measured without R, get centered and smoothed)."""
+@pytest.mark.parametrize("kept", ["exact_recent", "exact_first"])
+def test_measured_choice_with_exact_tokens_scores_only_the_packed_positions(kept):
+    """A layer keeping its last R tokens (or its first F) raw chooses by the error on the others:
+    with them covering the whole measured chunk no candidate changes anything, and the tie keeps
+    the identity (the same keys that, measured without them, get centered and smoothed)."""
     g = torch.Generator().manual_seed(5)
     n, d = 128, 64
     k = torch.randn(n, 2, d, generator=g)
@@ -186,5 +187,5 @@ def test_measured_choice_with_exact_recent_tokens_scores_only_the_packed_positio
     recipe = Calibration(smooth_keys=0.5, min_offset=0.0, measure=True)
     measured = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc")
     assert measured.key_offset[0].abs().max() > 1.0  # without R: head 0 centered
-    covered = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc", exact_recent=n)
+    covered = fit(k, v, [0, n], recipe, query=q, preset="turboquant_k3v4_nc", **{kept: n})
     assert (covered.key_offset == 0).all() and (covered.key_scale == 1).all()

@@ -1,7 +1,8 @@
-"""Exact recent tokens (``exact_recent``, turboquant.recent): each sequence's last R positions attend
-with their raw K/V, the older ones on the packed cache, on every path of a step (decodes merged
-by log-sum-exp, continuation chunks over a dequantized prefix with the raw ones put back), with
-the attention options and calibration; against float64 attention over exactly those K/V."""
+"""Exact tokens (turboquant.recent): each sequence's last R positions (``exact_recent``) and its first
+F (``exact_first``, a calibrated layer's sinks) attend with their raw K/V, the others on the packed
+cache, on every path of a step (decodes merged by log-sum-exp, continuation chunks over a
+dequantized prefix with the raw ones put back), with the attention options and calibration;
+against float64 attention over exactly those K/V."""
 
 import dataclasses
 
@@ -41,26 +42,34 @@ def _on(meta, device):
         "query_start_loc", "seq_lens", "block_table", "slot_mapping", "sequence_ids")})
 
 
+# (first, last) positions kept exact: the last R; the first block and the last R (their ranges meet
+# in the 22-token sequence); the first block alone (the 7-token sequence lies inside it)
+KEPT = [(0, R), (BS, R), (BS, 0)]
+
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("calibration", [None, CALIBRATED])
-def test_every_path_attends_to_the_last_positions_exactly(preset, option, calibration):
-    _check_every_path(preset, option, calibration, "cpu", torch.float32, 1e-5)
+@pytest.mark.parametrize("first,recent", KEPT)
+def test_every_path_attends_to_the_kept_positions_exactly(preset, option, calibration, first, recent):
+    _check_every_path(preset, option, calibration, "cpu", torch.float32, 1e-5, first, recent)
 
 
 @requires_cuda
 @pytest.mark.parametrize("option", ["plain", "window", "sinks"])
 @pytest.mark.parametrize("calibration", [None, CALIBRATED])
-def test_every_path_attends_to_the_last_positions_exactly_on_cuda(option, calibration):
-    """The same steps on the GPU in bf16: decode_lse's CUDA kernel, the ring on the device."""
-    _check_every_path("turboquant_4bit_nc", option, calibration, "cuda", torch.bfloat16, 2e-2)
+@pytest.mark.parametrize("first,recent", KEPT)
+def test_every_path_attends_to_the_kept_positions_exactly_on_cuda(option, calibration, first, recent):
+    """The same steps on the GPU in bf16: decode_lse's CUDA kernel (with the table past the first
+    block), the stores on the device."""
+    _check_every_path("turboquant_4bit_nc", option, calibration, "cuda", torch.bfloat16, 2e-2, first, recent)
 
 
-def _check_every_path(preset, option, calibration, device, dtype, tolerance):
+def _check_every_path(preset, option, calibration, device, dtype, tolerance, first=0, recent=R):
     torch.manual_seed(0)
     options = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in OPTIONS[option].items()}
     layer = PagedAttentionLayer(32, BS, HKV, D, preset, device=device, dtype=dtype, varlen_threshold=8,
-                                calibration=calibration, exact_recent=R, **options)
+                                calibration=calibration, exact_recent=recent, exact_first=first, **options)
     options = OPTIONS[option]  # the reference's, on the CPU
     block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
     offset = 3 * torch.randn(HKV, D)
@@ -91,9 +100,10 @@ def _check_every_path(preset, option, calibration, device, dtype, tolerance):
             n = int(meta.seq_lens[b])
             kb, vb = keys[b, :n].double().clone(), values[b, :n].double().clone()
             # exact: a first chunk all of it; a decode its last R positions (itself one of them); a
-            # continuation chunk its own tokens and the R before them
-            exact = slice(0, n) if i == 0 else slice(max(n - R - (e - s if e - s > 1 else 0), 0), n)
-            kb[exact], vb[exact] = raw_k[b, exact].double(), raw_v[b, exact].double()
+            # continuation chunk its own tokens and the R before them; every step the first F
+            own = e - s if e - s > 1 else 0
+            for exact in (slice(0, n) if i == 0 else slice(max(n - recent - own, 0), n), slice(0, min(first, n))):
+                kb[exact], vb[exact] = raw_k[b, exact].double(), raw_v[b, exact].double()
             ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], SCALE, **options)
             assert rel_err(out[s:e], ref) < tolerance, (i, b)
 
@@ -110,11 +120,12 @@ def test_merge_by_lse_is_attention_over_the_union():
     assert merge_by_lse(*empty, *empty).eq(0).all()  # nothing on either side: zeros, as the ops give
 
 
-def test_a_layer_with_exact_recent_needs_the_steps_sequence_ids():
-    layer = PagedAttentionLayer(4, BS, HKV, D, "turboquant_4bit_nc", dtype=torch.float32, exact_recent=4)
+@pytest.mark.parametrize("kept", [{"exact_recent": 4}, {"exact_first": BS}])
+def test_a_layer_with_exact_tokens_needs_the_steps_sequence_ids(kept):
+    layer = PagedAttentionLayer(4, BS, HKV, D, "turboquant_4bit_nc", dtype=torch.float32, **kept)
     meta = _meta(torch.arange(4, dtype=torch.int32).view(1, 4), [0], [3], 0)
     meta.sequence_ids = None
-    with pytest.raises(ValueError, match="exact_recent needs steps that name their sequences"):
+    with pytest.raises(ValueError, match="exact_recent or exact_first needs steps that name their sequences"):
         layer.forward(torch.randn(3, HQ, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D), meta, SCALE)
 
 
@@ -122,3 +133,9 @@ def test_a_layer_with_exact_recent_needs_the_steps_sequence_ids():
 def test_bad_exact_recent_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match="exact_recent must be an int >= 0"):
         PagedAttentionLayer(4, BS, HKV, D, "turboquant_4bit_nc", exact_recent=bad)
+
+
+@pytest.mark.parametrize("bad", [-BS, 8, 2.5, True])
+def test_exact_first_that_is_not_whole_blocks_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"exact_first must be a multiple of block_size \(16\)"):
+        PagedAttentionLayer(4, BS, HKV, D, "turboquant_4bit_nc", exact_first=bad)
