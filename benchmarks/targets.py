@@ -2,7 +2,7 @@
 options (``calibrate=True``; ``exact_recent=64``) and with both, against the plain cache.
 
     python benchmarks/targets.py [--protocol decode|serving] [--models ...] [--presets ...] [--windows 3]
-                                 [--out benchmarks/RESULTS.md]
+                                 [--columns ...] [--out benchmarks/RESULTS.md]
 
 Protocols of turboquant/evaluation.py, over 2,048-token windows, the first and last two layers plain
 (the library's default):
@@ -16,7 +16,9 @@ Protocols of turboquant/evaluation.py, over 2,048-token windows, the first and l
 
 Each perplexity change comes with its standard error, paired per token with the plain cache
 (``evaluation.perplexity_change``). Same packed bytes per token in every column;
-``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context.
+``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context, and
+``calibrate=True`` one block (16 tokens) where it centers keys (``Calibration.exact_sinks``).
+``--columns`` measures some of the columns only (a decode table takes about 2 h on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ OPTIONS = {
 TARGETS = {"turboquant_k8v4": 1.0, "turboquant_4bit_nc": 3.0, "turboquant_k3v4_nc": 8.0}
 
 
-def model_table(name: str, windows: int, presets: list[str], protocol: str) -> tuple[list[str], str]:
+def model_table(name: str, windows: int, presets: list[str], protocol: str, columns: list[str]) -> tuple[list[str], str]:
     model, tok = assets.load_model(name=name)
     wins = ev.windows(tok(assets.text(), return_tensors="pt").input_ids, 2048, windows)
     start = time.time()
@@ -61,9 +63,10 @@ def model_table(name: str, windows: int, presets: list[str], protocol: str) -> t
 
     reference_nlls, reference, _ = measure(DynamicCache)
     base = reference_nlls.double().mean().exp().item()
-    cells, done, total = {}, 0, len(presets) * len(OPTIONS)
+    cells, done, total = {}, 0, len(presets) * len(columns)
     for preset in presets:
-        for column, options in OPTIONS.items():
+        for column in columns:
+            options = OPTIONS[column]
             nlls, _, kl = measure(lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o),
                                   reference)
             change, error = ev.perplexity_change(reference_nlls, nlls)
@@ -71,11 +74,11 @@ def model_table(name: str, windows: int, presets: list[str], protocol: str) -> t
             cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark}" + ("" if kl is None else f" / {kl:.3f}")
             done += 1
             progress(done, total, f"{name}: {preset[11:]} {column}", start)
-    lines = ["| preset (target) | " + " | ".join(OPTIONS) + " |", "|---|" + "---|" * len(OPTIONS)]
+    lines = ["| preset (target) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for preset in presets:
         target = f"+{TARGETS[preset]:.0f} %" if preset in TARGETS else "none"
         lines.append(f"| {preset.replace('turboquant_', '')} ({target}) | "
-                     + " | ".join(cells[(preset, c)] for c in OPTIONS) + " |")
+                     + " | ".join(cells[(preset, c)] for c in columns) + " |")
     return lines, f"plain-cache {protocol} perplexity {base:.2f}; {time.time() - start:.0f} s"
 
 
@@ -85,10 +88,11 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(assets.MODEL_NAMES), choices=assets.MODEL_NAMES)
     p.add_argument("--presets", nargs="+", default=PRESETS, choices=list(ALL_PRESETS))
     p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--columns", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     a = p.parse_args()
     torch.manual_seed(0)
-    sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets, a.protocol))
+    sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets, a.protocol, a.columns))
     cells = ("the perplexity change ± its standard error (paired per token with the plain cache)"
              + (" / the mean KL(plain || cache) per predicted token in nats" if a.protocol == "decode" else ""))
     how = ("the last 256 decoded one at a time" if a.protocol == "decode" else
