@@ -250,8 +250,8 @@ def test_left_padded_batch_generates_what_each_prompt_does_alone(smollm):
     """Padding never enters the packed cache, so a sequence of a batch attends as it would alone.
     Not bit for bit: the batched projections round differently (~1e-5), and a key that lands on
     a quantization boundary may then take the neighbouring level, so the logits may move by a
-    fraction of the preset's own error (against the plain cache); a padding token in the cache
-    would move them by more than that error."""
+    fraction of the preset's own error (against the plain cache): 0.67 against 1.15 at most, with
+    one thread per process. Padding the cache attends to moves them by 11-37 (the control below)."""
     model, tok = smollm
     tok.padding_side = "left"
     batch = tok(PROMPTS, return_tensors="pt", padding=True)
@@ -265,13 +265,20 @@ def test_left_padded_batch_generates_what_each_prompt_does_alone(smollm):
         ids = tok(prompt, return_tensors="pt").input_ids
         alone = _generate(model, ids, cache=tqhf.TurboQuantCache(model.config, preset=preset), steps=steps)
         plain = _generate(model, ids, steps=steps)
+        padded = None
+        if ids.shape[1] < width:  # the control: this row with its padding attended to
+            padded = _generate(model, batch.input_ids[b:b + 1], torch.ones_like(batch.attention_mask[b:b + 1]),
+                               cache=tqhf.TurboQuantCache(model.config, preset=preset), steps=steps)
         a, t = alone.sequences[0, ids.shape[1]:], together.sequences[b, width:]
         for step in range(steps):
             if not torch.equal(alone.sequences[0, ids.shape[1]:ids.shape[1] + step], plain.sequences[0, ids.shape[1]:ids.shape[1] + step]):
                 break  # the plain run took another path: its logits no longer measure the preset's error
             preset_err = (alone.logits[step][0] - plain.logits[step][0]).abs().max()
             batch_err = (together.logits[step][b] - alone.logits[step][0]).abs().max()
-            assert batch_err <= 0.5 * preset_err + 1e-3, (b, step, batch_err.item(), preset_err.item())
+            assert batch_err <= preset_err + 1e-3, (b, step, batch_err.item(), preset_err.item())
+            if padded is not None and torch.equal(padded.sequences[0, width:width + step], a[:step]):
+                padding_err = (padded.logits[step][0] - alone.logits[step][0]).abs().max()
+                assert batch_err < 0.1 * padding_err, (b, step, batch_err.item(), padding_err.item())
             top2 = alone.logits[step][0].topk(2).values
             if top2[0] - top2[1] < 0.5:
                 break  # a near-tie: the batch may pick the other token and go its own way
