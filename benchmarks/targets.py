@@ -17,7 +17,7 @@ Protocols of turboquant/evaluation.py, over 2,048-token windows, the first and l
 Each perplexity change comes with its standard error, paired per token with the plain cache
 (``evaluation.perplexity_change``). Same packed bytes per token in every column;
 ``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context, and
-``calibrate=True`` one block (16 tokens) where it centers keys (``Calibration.exact_sinks``).
+``calibrate=True`` one block (16 tokens) where it centers keys (``Calibration.exact_first_block``).
 ``--columns`` measures some of the columns only (a decode table takes about 2 h on 2 CPU cores).
 """
 

@@ -30,7 +30,7 @@ before it put back into its dequantized prefix (it takes that path at every leng
 are raw). Its steps name their sequences (``StepMetadata.sequence_ids``).
 ``exact_first=F`` (a whole number of blocks) keeps each sequence's first F raw K/V the same way:
 decode steps read the packed cache from the block after them on. A calibrated layer keeps its
-attention sinks so (``Calibration.exact_sinks``; turboquant.hf sets it to one block).
+attention sinks so (``Calibration.exact_first_block``; turboquant.hf sets it to one block).
 
 A pure-decode step (every sequence decodes one token) makes no host synchronisation, for either
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables

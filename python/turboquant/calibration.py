@@ -46,7 +46,7 @@ class Calibration:
     270M and from +2.6 / +4.9 % to -1.0 / +0.4 % on Qwen2.5-0.5B; on SmolLM2-135M, whose serving
     loss is small without it, from -0.1 / +0.5 % to +0.2 / +2.0 % (centering there moves its
     low-norm sink keys, docs/QUALITY.md). ``min_tokens``: a first chunk with fewer usable tokens
-    fits nothing (identity). ``exact_sinks``: where keys are centered, each sequence's first cache
+    fits nothing (identity). ``exact_first_block``: where keys are centered, each sequence's first cache
     block (its attention-sink tokens, left out of the fit) is also kept raw beside the packed cache
     and attended exactly (``turboquant.hf``; ``PagedAttentionLayer(exact_first=...)``). Centering
     moves a low-norm sink key to a typical norm, and with it the quantization error of the key
@@ -63,7 +63,7 @@ class Calibration:
     min_tokens: int = 16
     measure: bool = True
     measure_tokens: int = 512
-    exact_sinks: bool = True
+    exact_first_block: bool = True
 
     def __post_init__(self):
         if not 0 <= self.min_offset < 1:

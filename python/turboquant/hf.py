@@ -400,7 +400,7 @@ class TurboQuantCache(Cache):
             attention is unchanged up to the quantization, which loses less on keys with a shared
             offset or a few wide channels. Layers that soft-cap or have sinks keep only the
             transformations that stay exact there (``Calibration.exact_for``). Where keys are
-            centered, each sequence's first block is also kept raw (``Calibration.exact_sinks``).
+            centered, each sequence's first block is also kept raw (``Calibration.exact_first_block``).
         exact_recent: each sequence's last this many tokens also kept raw beside the packed cache
             and attended exactly (``turboquant.recent``): most of a long generation's loss is on
             its last tokens (SmolLM2 4bit_nc, decode perplexity: +6.2 % with 0, +0.9 % with 64;
@@ -434,7 +434,7 @@ class TurboQuantCache(Cache):
         exact = None if calibration is None else calibration.exact_for(
             softcap=bool(getattr(text_config, "attn_logit_softcapping", None)),
             sinks=_has_attention_sinks(text_config))
-        exact_first = block_size if exact is not None and exact.exact_sinks and exact.center_keys else 0
+        exact_first = block_size if exact is not None and exact.exact_first_block and exact.center_keys else 0
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         if isinstance(layer_kwargs, dict):  # transformers before 5.2x: one dict for every layer
             layer_kwargs = [layer_kwargs] * len(layer_types)

@@ -11,7 +11,7 @@ prefix gets the ring's tokens put back into it. Cost: ``count x 2 x D`` raw elem
 KV head and layer, whatever the context.
 
 ``FirstTokens`` keeps each sequence's first positions the same way (a calibrated layer's attention
-sinks: ``turboquant.calibration``, ``Calibration.exact_sinks``); a decode step then reads the packed
+sinks: ``turboquant.calibration``, ``Calibration.exact_first_block``); a decode step then reads the packed
 cache from the block after them on, so they are a whole number of cache blocks.
 """
 

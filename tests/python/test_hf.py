@@ -154,7 +154,7 @@ def _reference_cache(model, cache, round_trip_new=True):
             k, v = tq.dequantize(layer.attention.cache, table, lens, cache.preset, torch.float32)
             if layer.attention.transform is not None:  # a calibrated layer: back to the original basis
                 k, v = layer.attention.transform.restore(k, v)
-            if layer.attention.first is not None:  # and its first block raw (Calibration.exact_sinks)
+            if layer.attention.first is not None:  # and its first block raw (Calibration.exact_first_block)
                 layer.attention.first.overlay(k[0], v[0], 0, 0)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [1, Hkv, L, D]
         else:
@@ -441,7 +441,7 @@ def test_exact_recent_follows_beam_reordering_and_crop():
 
 def test_calibrated_layers_keep_each_sequences_first_block_raw():
     """Calibrated with keys centered, each sequence's first block (its sinks) is kept raw
-    (``Calibration.exact_sinks``): the reported bytes count it, and after a crop into it the
+    (``Calibration.exact_first_block``): the reported bytes count it, and after a crop into it the
     sequence's next tokens take the positions past the crop again."""
     from transformers import LlamaConfig
     model = _tiny(LlamaConfig)
@@ -449,7 +449,7 @@ def test_calibrated_layers_keep_each_sequences_first_block_raw():
     held = {}
     for sinks in (False, True):
         cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", boundary_skip_layers=1,
-                                     calibrate=Calibration(exact_sinks=sinks))
+                                     calibrate=Calibration(exact_first_block=sinks))
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, **_cache(cache), use_cache=True)
         held[sinks] = cache.packed_bytes()
