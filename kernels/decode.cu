@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
   // 0.2-0.9 faster) with 16 steps per graph.
   QueryColumns columns{chunk, num_heads, head0, 0, p.num_q_heads};  // seq_len: set once loaded
   PreloadedQuery<D, kHeads, kThreads, T> query;
-  query.load(static_cast<const T*>(p.query), columns);
+  query.load(static_cast<const T*>(p.query), columns, p.key_scale, group);
   const int raw_seq_len = p.seq_lens[b];
   columns.seq_len = min(max(raw_seq_len, 0), max_context);
   const int num_columns = columns.count();
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasByRegisters)
     // own area (kQueryApart).
     uint32_t qf[C::kKSteps][2];
     auto stage_query = [&] {
-      query.template stage<!C::kFp8Key, C::KB, 32>(qs, pair_table, columns, p.codebook, p.key_scale, group);
+      query.template stage<!C::kFp8Key, C::KB, 32>(qs, pair_table, columns, p.codebook);
       device::query_fragments<D, C::KB, kMisalign>(qs, g, c, q_multiplier, qf);
       if constexpr (!C::kQueryApart) __syncthreads();  // the ring reuses qs
     };

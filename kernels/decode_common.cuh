@@ -159,8 +159,27 @@ struct QueryStaging {
     }
   }
 
+  // The batch's key_scale rows (head_vector_of_row; group: query heads per KV head), every load
+  // issued before any is used; ones for unused columns and where the decode has none.
+  __device__ __forceinline__ static void load_scales(float (&scale)[kBatch][kPerLane], const float* key_scale,
+                                                     const QueryColumns& columns, int c0, int group) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < kBatch; ++c) {
+      const int j = warp + (c0 + c) * kWarps;
+      const bool scaled = key_scale != nullptr && j < columns.count();  // warp-uniform
+      const float* s = scaled ? head_vector_of_row(key_scale, columns.row(j, column_token(j, columns.heads)),
+                                                   columns.num_q_heads, group, D)
+                              : nullptr;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) scale[c][e] = s != nullptr ? s[lane + 32 * e] : 1.0f;
+    }
+  }
+
   // The loaded batch -> qs, times the column's KV head's key_scale where the decode has one
-  // (head_vector_of_row; group: query heads per KV head), rotated for Lloyd-Max keys.
+  // (head_vector_of_row; group: query heads per KV head), rotated for Lloyd-Max keys. Each column's
+  // key_scale row is loaded where it is used: the chunked kernel's staging, whose loop spills with
+  // more registers held (PreloadedQuery loads them with the query instead).
   template <bool kLloydMax, typename T>
   __device__ __forceinline__ static void store(float* qs, const T (&raw)[kBatch][kPerLane], const QueryColumns& columns,
                                                int c0, const float* key_scale, int group) {
@@ -177,12 +196,35 @@ struct QueryStaging {
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) x[e] *= s[lane + 32 * e];
       }
-      if constexpr (kLloydMax) {
-        if (j < columns.count()) warp_fwht(x, lane);  // warp-uniform; unused columns stay zeros
-      }
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) qs[j * D + lane + 32 * e] = x[e];
+      put<kLloydMax>(qs, x, j, columns);
     }
+  }
+
+  // store with the batch's key_scale rows already loaded (load_scales).
+  template <bool kLloydMax, typename T>
+  __device__ __forceinline__ static void store_scaled(float* qs, const T (&raw)[kBatch][kPerLane],
+                                                      const float (&scale)[kBatch][kPerLane],
+                                                      const QueryColumns& columns, int c0) {
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int c = 0; c < kBatch; ++c) {
+      const int j = warp + (c0 + c) * kWarps;
+      float x[kPerLane];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) x[e] = j < columns.count() ? to_float(raw[c][e]) * scale[c][e] : 0.0f;
+      put<kLloydMax>(qs, x, j, columns);
+    }
+  }
+
+  // Column j's fp32 values -> qs, rotated for Lloyd-Max keys (unused columns stay zeros).
+  template <bool kLloydMax>
+  __device__ __forceinline__ static void put(float* qs, float (&x)[kPerLane], int j, const QueryColumns& columns) {
+    const int lane = threadIdx.x & 31;
+    if constexpr (kLloydMax) {
+      if (j < columns.count()) warp_fwht(x, lane);  // warp-uniform
+    }
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) qs[j * D + lane + 32 * e] = x[e];
   }
 };
 
@@ -224,26 +266,33 @@ __device__ __forceinline__ void stage_query_columns(float* qs, uint32_t* pair_ta
 }
 
 // stage_query_columns in two steps, for a kernel that issues the query loads first thing (every
-// batch of the warp's columns into registers), so their latency overlaps the loads of the sequence
-// length and the block ids instead of following them, and stages them later.
+// batch of the warp's columns into registers, and their KV heads' key_scale rows), so their
+// latency overlaps the loads of the sequence length and the block ids instead of following them,
+// and stages them later. Loaded at staging instead, the key_scale rows were one more memory round
+// trip per column on the way to the staging barrier: a calibrated decode took 1.5-1.6 us longer
+// than a plain one, and 0.6-1.0 us with them preloaded, plain decode unchanged (H100, B = 1-32;
+// RESULTS.md, "Per-head transforms").
 template <int D, int kColumns, int kThreads, typename T>
 struct PreloadedQuery {
   using Staging = QueryStaging<D, kColumns, kThreads>;
   static constexpr int kBatches = Staging::kColumnsPerWarp / Staging::kBatch;
   T raw[kBatches][Staging::kBatch][Staging::kPerLane];
+  float scale[kBatches][Staging::kBatch][Staging::kPerLane];
 
-  __device__ __forceinline__ void load(const T* query, const QueryColumns& columns) {
+  __device__ __forceinline__ void load(const T* query, const QueryColumns& columns, const float* key_scale, int group) {
 #pragma unroll
     for (int i = 0; i < kBatches; ++i) Staging::load(raw[i], query, columns, i * Staging::kBatch);
+#pragma unroll
+    for (int i = 0; i < kBatches; ++i) Staging::load_scales(scale[i], key_scale, columns, i * Staging::kBatch, group);
   }
   // -> qs (fp32, times key_scale, rotated for Lloyd-Max keys) and the pair table, visible to every
   // thread on return.
   template <bool kLloydMax, int kKeyBits, int kPairStrideWords>
   __device__ __forceinline__ void stage(float* qs, uint32_t* pair_table, const QueryColumns& columns,
-                                        const Codebook& codebook, const float* key_scale, int group) const {
+                                        const Codebook& codebook) const {
 #pragma unroll
     for (int i = 0; i < kBatches; ++i) {
-      Staging::template store<kLloydMax>(qs, raw[i], columns, i * Staging::kBatch, key_scale, group);
+      Staging::template store_scaled<kLloydMax>(qs, raw[i], scale[i], columns, i * Staging::kBatch);
     }
     if constexpr (kLloydMax) stage_pair_table<kKeyBits, kPairStrideWords, kThreads>(pair_table, codebook);
     __syncthreads();

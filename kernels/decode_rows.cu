@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // faster, k8v4 B = 8 L = 256 0.6; B = 3 L = 256 equal, B = 3 L = 1k 0.4 slower.
   QueryColumns columns{QueryChunk{b, b, 1, 0, 1}, kRowHeads * group, head_group * kRowHeads * group, 0, p.num_q_heads};
   PreloadedQuery<D, C::kColumns, C::kThreads, T> query;
-  query.load(static_cast<const T*>(p.query), columns);
+  query.load(static_cast<const T*>(p.query), columns, p.key_scale, group);
   const int seq_len = min(max(p.seq_lens[b], 0), max_context);
   columns.seq_len = seq_len;
   const int first_column = warp * group;
@@ -203,8 +203,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm) decode_rows_kernel
   // ---- query columns (fp32, times key_scale, rotated for Lloyd-Max keys) and the pair table; ends
   // in a barrier that also publishes the mbarriers.
   float* qs = reinterpret_cast<float*>(smem + C::kQueryOffset);  // [kColumns][D], at the scratch region's end
-  query.template stage<!C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, columns, p.codebook, p.key_scale,
-                                                                 group);
+  query.template stage<!C::kFp8Key, C::KB, C::kPairStrideWords>(qs, pair_table, columns, p.codebook);
   // A warp's slots all sit at (warp * slot bytes) mod 4 in their rows (rows are 16-byte multiples),
   // so the tile math reads them in the interleaved order (fragment_order.h) for that offset.
   const int slot_misalign = (warp * C::kSlotBytes) & 3;
