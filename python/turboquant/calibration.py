@@ -38,21 +38,23 @@ class Calibration:
     sequence; ``fit``; a layer that keeps its last R tokens raw, ``exact_recent``, scores only the
     positions past them, where the packed keys are read: on one 2,048-token window decoded the
     last 256 tokens, with exact_recent=64, k3v4_nc on SmolLM2-135M went from +3.9 % to +1.0 %,
-    where uncalibrated it is +2.2 %; RESULTS.md, "Keeping tokens unquantized"). Where no queries are at hand (a cache loaded from another), or with
-    ``measure=False``, ``min_offset`` decides instead: center only the heads whose mean key is at
-    least this fraction of their rms key norm (0: every head). The defaults are what measured best
-    across three model families (benchmarks/calibration.py, RESULTS.md): serving perplexity of
-    4bit_nc / k3v4_nc against the plain cache went from +3.1 / +20.1 % to +0.3 / +1.0 % on Gemma 3
-    270M and from +2.6 / +4.9 % to -1.0 / +0.4 % on Qwen2.5-0.5B; on SmolLM2-135M, whose serving
-    loss is small without it, from -0.1 / +0.5 % to +0.2 / +2.0 % (centering there moves its
-    low-norm sink keys, docs/QUALITY.md). ``min_tokens``: a first chunk with fewer usable tokens
-    fits nothing (identity). ``exact_first_block``: where keys are centered, each sequence's first cache
-    block (its attention-sink tokens, left out of the fit) is also kept raw beside the packed cache
-    and attended exactly (``turboquant.hf``; ``PagedAttentionLayer(exact_first=...)``). Centering
-    moves a low-norm sink key to a typical norm, and with it the quantization error of the key
-    most of a head's attention goes to: SmolLM2-135M's serving k3v4_nc was +1.7 % calibrated
-    without it, +0.5 % uncalibrated, +0.2 % calibrated with only position 0 raw (docs/QUALITY.md).
-    Costs ``block_size x 2 x D`` raw elements per sequence, KV head and layer."""
+    where uncalibrated it is +2.2 %; RESULTS.md, "Keeping tokens unquantized"). Where no queries
+    are at hand (a cache loaded from another), or with ``measure=False``, ``min_offset`` decides
+    instead: center only the heads whose mean key is at least this fraction of their rms key norm
+    (0: every head). The defaults are what measured best
+    across three model families (benchmarks/targets.py, RESULTS.md, 3 windows): serving perplexity
+    of 4bit_nc / k3v4_nc against the plain cache went from +3.6 / +22.9 % to +0.6 / +0.7 % on Gemma 3
+    270M, from +2.3 / +4.7 % to -0.1 / +0.0 % on Qwen2.5-0.5B, and on SmolLM2-135M, whose serving
+    loss is small without it, from +0.1 / +0.5 % to +0.2 / +0.3 %. ``min_tokens``: a first chunk
+    with fewer usable tokens fits nothing (identity).
+
+    ``exact_first_block``: where keys are centered, each sequence's first cache block (its
+    attention-sink tokens, left out of the fit) is also kept raw beside the packed cache and
+    attended exactly (``turboquant.hf``; ``PagedAttentionLayer(exact_first=...)``). Centering moves
+    a low-norm sink key to a typical norm, and with it the quantization error of the key most of a
+    head's attention goes to: SmolLM2-135M's serving k3v4_nc was +1.7 % calibrated without it and
+    is +0.3 % with it, +0.5 % uncalibrated (docs/QUALITY.md). Costs ``block_size x 2 x D`` raw
+    elements per sequence, KV head and layer."""
 
     center_keys: bool = True
     smooth_keys: float = 0.5
