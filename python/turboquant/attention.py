@@ -56,6 +56,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .cache import allocate_kv_cache
 from .calibration import Calibration, KVTransform, fit
 from .ops import decode, decode_varlen, dequantize, head_dim_for_slot, store_kv
+from .packed_noise import PackedKeyNoise
 from .recent import FirstTokens, RecentTokens, merge_by_lse
 
 
@@ -141,10 +142,12 @@ class PagedAttentionLayer:
                  device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
                  calibration: Calibration | None = None, window_left: int = -1, softcap: float = 0.0,
                  sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None, exact_recent: int = 0,
-                 exact_first: int = 0):
+                 exact_first: int = 0, shift_packed_logits: bool = True):
         """``cache``: a packed cache to attend over instead of allocating one (see ``over_cache``).
         ``exact_recent``, ``exact_first``: the last and the first this many tokens of each sequence
-        attend exactly (module docstring); ``exact_first`` is a multiple of ``block_size``."""
+        attend exactly (module docstring); ``exact_first`` is a multiple of ``block_size``.
+        ``shift_packed_logits``: where raw and packed keys share a softmax, lower the packed keys'
+        logits by their expected quantization noise (``turboquant.packed_noise``)."""
         self.preset, self.block_size, self.head_dim, self.dtype = preset, block_size, head_dim, dtype
         self.recent = (RecentTokens(exact_recent, num_kv_heads, head_dim, dtype, device)
                        if exact_recent != 0 and preset is not None else None)
@@ -155,6 +158,8 @@ class PagedAttentionLayer:
                       if exact_first and preset is not None else None)
         # Every store of raw tokens beside the packed cache, first tokens first.
         self.exact_tokens = [t for t in (self.first, self.recent) if t is not None]
+        noise = PackedKeyNoise(preset, num_kv_heads, head_dim, device) if preset is not None else None
+        self.noise = noise if shift_packed_logits and noise is not None and noise.active else None
         self.varlen_threshold = varlen_threshold
         self._recipe = calibration if preset is not None else None
         self.transform: KVTransform | None = None  # fitted on the first store when calibrating
@@ -177,10 +182,11 @@ class PagedAttentionLayer:
         """A layer that attends over a packed cache it does not own (``[num_blocks, block_size, Hkv,
         slot]``, any strides for the first three dims): a serving engine allocates the cache and may
         hand a new view of it every step (assign ``layer.cache``). No calibration: the cache holds
-        the presets' bytes only."""
+        the presets' bytes only. No packed-logit shift either: the engine stores the keys, so the
+        layer never sees the key norms the shift is taken from."""
         num_blocks, block_size, num_kv_heads, slot = cache.shape
         return cls(num_blocks, block_size, num_kv_heads, head_dim_for_slot(preset, slot), preset, cache.device, dtype,
-                   varlen_threshold, None, window_left, softcap, sinks, cache=cache)
+                   varlen_threshold, None, window_left, softcap, sinks, cache=cache, shift_packed_logits=False)
 
     def set_attention_options(self, window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                               device=None) -> None:
@@ -240,6 +246,9 @@ class PagedAttentionLayer:
                                      self.recent.count if self.recent is not None else 0,
                                      self.first.count if self.first is not None else 0)
             store_kv(key, value, self.cache, slot_mapping, self.preset, **self._transform_args)
+            if self.noise is not None:
+                stored = key if self.transform is None else self.transform.keys(key)
+                self.noise.observe(stored, slot_mapping[:key.shape[0]] >= 0)
 
     def _exact_entries(self, key, meta: StepMetadata):
         """Where the step's tokens are in their sequences, for the stores of exact tokens:
@@ -324,12 +333,18 @@ class PagedAttentionLayer:
         return {name: (x.float() if x is not None else None) for name, x in
                 (("key_offset", t.key_offset), ("key_scale", t.key_scale), ("value_offset", t.value_offset))}
 
-    def _sdpa(self, q, k, v, scale):
+    def _sdpa(self, q, k, v, scale, packed_shift=None, packed=None):
         """q [m, Hq, D] attends k, v [n, Hkv, D] (n >= m), causal aligned to the bottom right: query i
         sees keys < n - m + i + 1 (and, with a window, from n - m + i - window_left on). In q's
         dtype, so the flash kernel takes it on the GPU, and with enable_gqa: flash reads each KV head
-        once for its whole group (no repeat_interleave copy of the context, Hq / Hkv times its size)."""
+        once for its whole group (no repeat_interleave copy of the context, Hq / Hkv times its size).
+        ``packed_shift [m, Hq]`` (``_packed_shift``) lowers the logits of the keys where ``packed
+        [n]`` (bool): one more coordinate, ``-shift / scale`` on the query and 1 on a packed key, so
+        SDPA keeps its kernels and causal mask."""
         m, n = q.shape[0], k.shape[0]
+        if packed_shift is not None:
+            q = torch.cat([q, (-packed_shift / scale).to(q.dtype)[..., None]], -1)
+            k = torch.cat([k, packed.to(k.dtype)[:, None, None].expand(n, k.shape[1], 1)], -1)
         q4, k4, v4 = (t.transpose(0, 1).to(q.dtype).unsqueeze(0) for t in (q, k, v))
         if self.window_left < 0 and not self.softcap and self.sinks is None:
             out = _sdpa_gqa(q4, k4, v4, causal_lower_right(m, n), scale)
@@ -337,6 +352,14 @@ class PagedAttentionLayer:
             mask = bottom_right_mask(m, n, self.window_left, q.device)[None, None]
             out = dense_attention(q4, k4, v4, mask, scale, self.softcap, self.sinks)
         return out[0].transpose(0, 1)
+
+    def _packed_shift(self, query, scale):
+        """``[T, Hq]``: how much a packed key's logit is lowered for each row of ``query [T, Hq, D]``
+        where raw keys share its softmax (``turboquant.packed_noise``); None where the layer does
+        not shift (no noise to undo, or soft-capping or sinks)."""
+        if self.noise is None or self.softcap or self.sinks is not None:
+            return None
+        return self.noise.logit_shift(query if self.transform is None else self.transform.query(query), scale)
 
     def _decode_with_exact(self, query, block_table, seq_lens, scale, sequence):
         """``_decode`` with exact tokens: positions ``[F, L - R)`` on the packed cache (with its
@@ -355,6 +378,9 @@ class PagedAttentionLayer:
             block_table = block_table[:, f // self.block_size:].contiguous()
         out, lse = decode(query, self.cache, block_table, packed_lens, self.preset, scale, window_left=packed_window,
                           softcap=self.softcap, sinks=self.sinks, return_lse=True, **self._transform_args)
+        shift = self._packed_shift(query, scale)
+        if shift is not None:
+            lse = lse - shift
         for exact in self.exact_tokens:
             exact_out, exact_lse = exact.attend(query, sequence, seq_lens, scale, window, self.softcap)
             out = merge_by_lse(out, lse, exact_out, exact_lse)
@@ -423,11 +449,13 @@ class PagedAttentionLayer:
                 kept = cached_before - skip * self.block_size
                 k, v = self._dense(meta.block_table[b:b + 1, skip:], meta.seq_lens[b:b + 1] - q_len - skip * self.block_size)
                 k, v = k[0, :kept], v[0, :kept]
+                packed = torch.ones(kept + q_len, dtype=torch.bool, device=k.device)
+                packed[kept:] = False
                 for exact in self.exact_tokens:
-                    exact.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)
+                    packed[exact.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)] = False
                 k = torch.cat([k.to(key.dtype), key[s:e]])
                 v = torch.cat([v.to(value.dtype), value[s:e]])
-                out[s:e] = self._sdpa(query[s:e], k, v, scale)
+                out[s:e] = self._sdpa(query[s:e], k, v, scale, self._packed_shift(query[s:e], scale), packed)
         if nd > 0:
             sequence = None if meta.sequence_ids is None else meta.sequence_ids[:nd]
             out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale, sequence)

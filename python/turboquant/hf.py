@@ -260,11 +260,12 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, preset: str, sequences: _PagedSequences, varlen_threshold: int,
                  reserve_tokens: int | None = None, calibration: Calibration | None = None, exact_recent: int = 0,
-                 exact_first: int = 0):
+                 exact_first: int = 0, shift_packed_logits: bool = True):
         super().__init__()
         self.layer_idx, self.preset, self.sequences = layer_idx, preset, sequences
         self.varlen_threshold, self.reserve_tokens = varlen_threshold, reserve_tokens
         self.calibration, self.exact_recent, self.exact_first = calibration, exact_recent, exact_first
+        self.shift_packed_logits = shift_packed_logits
         self.attention: PagedAttentionLayer | None = None
         self.length = 0  # positions seen, padding included (what transformers counts)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -279,7 +280,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self.attention = PagedAttentionLayer(blocks, block_size, num_kv_heads, head_dim, self.preset,
                                              device=key_states.device, dtype=key_states.dtype,
                                              varlen_threshold=self.varlen_threshold, calibration=self.calibration,
-                                             exact_recent=self.exact_recent, exact_first=self.exact_first)
+                                             exact_recent=self.exact_recent, exact_first=self.exact_first,
+                                             shift_packed_logits=self.shift_packed_logits)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -406,11 +408,15 @@ class TurboQuantCache(Cache):
             its last tokens (SmolLM2 4bit_nc, decode perplexity: +6.2 % with 0, +0.9 % with 64;
             docs/QUALITY.md). Costs ``exact_recent x 2 x head_dim`` raw elements per sequence, KV
             head and layer, and an exact attention over them per decode step.
+        shift_packed_logits: where raw keys (``exact_recent``, the first block, a chunk's own K/V)
+            share a softmax with packed ones, lower the packed keys' logits by their expected
+            quantization noise, which otherwise gives them too much of the attention
+            (``turboquant.packed_noise``). ``False`` attends over the dequantized keys as they are.
     """
 
     def __init__(self, config, preset: str = "turboquant_4bit_nc", boundary_skip_layers: int = 2,
                  skip_layers=None, block_size: int = 16, varlen_threshold: int = 64, reserve_tokens: int | None = None,
-                 calibrate=None, exact_recent: int = 0):
+                 calibrate=None, exact_recent: int = 0, shift_packed_logits: bool = True):
         text_config = config.get_text_config(decoder=True)
         impl = getattr(text_config, "_attn_implementation", None)
         if impl != ATTN_IMPLEMENTATION:
@@ -428,6 +434,8 @@ class TurboQuantCache(Cache):
             raise ValueError(f"turboquant: reserve_tokens must be a positive int or None, got {reserve_tokens!r}")
         if not isinstance(exact_recent, int) or isinstance(exact_recent, bool) or exact_recent < 0:
             raise ValueError(f"turboquant: exact_recent must be an int >= 0 (tokens), got {exact_recent!r}")
+        if not isinstance(shift_packed_logits, bool):
+            raise ValueError(f"turboquant: shift_packed_logits must be True or False, got {shift_packed_logits!r}")
         calibration = as_calibration(calibrate)
         # What stays exact under the model's soft-capping and sinks, known here from the config: a
         # load_from stores (and fits) before the first attention call passes them.
@@ -457,7 +465,7 @@ class TurboQuantCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             else:
                 layers.append(TurboQuantLayer(i, preset, self.sequences, varlen_threshold, reserve_tokens, exact,
-                                              exact_recent, exact_first))
+                                              exact_recent, exact_first, shift_packed_logits))
         for reason, indices in unserved.items():
             warnings.warn(f"turboquant: layers {indices} keep a plain cache: the packed cache does not serve "
                           f"{reason} yet", stacklevel=2)

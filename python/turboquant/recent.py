@@ -104,12 +104,13 @@ class RecentTokens:
 
     def overlay(self, keys: torch.Tensor, values: torch.Tensor, sequence: int, first: int) -> None:
         """Puts the ring's entries of ``sequence`` into its dense prefix ``keys``/``values [N, Hkv, D]``
-        (positions ``first .. first + N - 1``), in place (one host synchronisation: the long-chunk
-        path that calls it has made one already)."""
+        (positions ``first .. first + N - 1``), in place, and returns the rows it put back (one host
+        synchronisation: the long-chunk path that calls it has made one already)."""
         index = self.positions[sequence] - first
         inside = (self.positions[sequence] >= 0) & (index >= 0) & (index < keys.shape[0])
         keys[index[inside]] = self.keys[sequence][inside].to(keys.dtype)
         values[index[inside]] = self.values[sequence][inside].to(values.dtype)
+        return index[inside]
 
     def refill(self, sequence: int, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Entries for the positions ``[length - count, length)`` of ``sequence`` that the ring lost

@@ -183,10 +183,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _option_scores(query, keys, seq_lens, q_lens, scale, window_left=-1, softcap=0.0, sinks=None):
+def _option_scores(query, keys, seq_lens, q_lens, scale, window_left=-1, softcap=0.0, sinks=None, key_bias=None):
     """Per query row in order: its float64 logits [Hq, t] over the positions it sees (soft-capped,
-    each head's sink appended as one more column) and those positions' slice, or None where it sees
-    nothing (the rules of attention_options_reference)."""
+    plus ``key_bias [total_q, Hq, L]`` where given, each head's sink appended as one more column)
+    and those positions' slice, or None where it sees nothing (the rules of
+    attention_options_reference)."""
     row = 0
     group = query.shape[1] // keys.shape[2]
     for b, (n, m) in enumerate(zip([int(x) for x in seq_lens], q_lens)):
@@ -202,6 +203,8 @@ def _option_scores(query, keys, seq_lens, q_lens, scale, window_left=-1, softcap
             s = torch.einsum("hd,thd->ht", q, k[start:end]) * scale
             if softcap > 0:
                 s = softcap * torch.tanh(s / softcap)
+            if key_bias is not None:
+                s = s + key_bias[row - 1, :, start:end].to(torch.float64)
             if sinks is not None:
                 s = torch.cat([s, sinks.to(torch.float64)[:, None]], dim=1)
             yield s, b, slice(start, end)
@@ -209,7 +212,7 @@ def _option_scores(query, keys, seq_lens, q_lens, scale, window_left=-1, softcap
 
 def attention_options_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens, q_lens,
                                 scale: float, window_left: int = -1, softcap: float = 0.0,
-                                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                sinks: torch.Tensor | None = None, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention with the ops' options, written from their definitions. query [total_q, Hq, D]
     (q_lens[b] rows per sequence, a plain decode has one each); keys/values [B, L, Hkv, D]. Row i of
     sequence b is at position p = seq_len_b - q_len_b + i and sees positions [p - window_left, p]
@@ -217,7 +220,7 @@ def attention_options_reference(query: torch.Tensor, keys: torch.Tensor, values:
     each head's sink logit joins the softmax and carries no value. Zeros where nothing is seen."""
     out = []
     group = query.shape[1] // keys.shape[2]
-    for s, b, seen in _option_scores(query, keys, seq_lens, q_lens, scale, window_left, softcap, sinks):
+    for s, b, seen in _option_scores(query, keys, seq_lens, q_lens, scale, window_left, softcap, sinks, key_bias):
         if seen.stop <= seen.start:
             out.append(torch.zeros(query.shape[1:], dtype=torch.float64))
             continue
@@ -235,3 +238,21 @@ def log_sum_exp_reference(query: torch.Tensor, keys: torch.Tensor, seq_lens, q_l
     for s, _, _ in _option_scores(query, keys, seq_lens, q_lens, scale, window_left, softcap, sinks):
         rows.append(torch.full((query.shape[1],), -math.inf, dtype=torch.float64) if s is None else s.logsumexp(-1))
     return torch.stack(rows)
+
+
+def packed_shift_reference(query, stored_keys, transform, preset, scale):
+    """float64 ``[T, Hq]``: how much a packed key's logit is lowered (turboquant.packed_noise), from its
+    definition: half the logit noise's variance s² ‖q‖² m mean‖k‖² / D in the stored basis, m the
+    codebook's error for a unit Gaussian (0 for FP8 keys), the mean over ``stored_keys [N, Hkv, D]``
+    (original basis; ``transform`` a layer's KVTransform or None)."""
+    info = tq.preset_info(preset)
+    mse = tq.lloyd_max_gaussian(info.key_bits)["mse"] if info.key_format == "lloyd_max" else 0.0  # FP8: none
+    k, q = stored_keys.double(), query.double()
+    group = q.shape[1] // k.shape[1]
+    if transform is not None and transform.key_offset is not None:
+        k = k - transform.key_offset.double().cpu()
+    if transform is not None and transform.key_scale is not None:
+        k = k / transform.key_scale.double().cpu()
+        q = q * transform.key_scale.double().cpu().repeat_interleave(group, 0)
+    mean = k.pow(2).sum(-1).mean(0).repeat_interleave(group)
+    return 0.5 * mse * scale * scale * q.pow(2).sum(-1) * mean / k.shape[-1]

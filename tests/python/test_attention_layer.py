@@ -2,6 +2,8 @@
 and continuation chunks (short: decode_varlen; long: the dequantized prefix and the chunk's own raw
 K/V through SDPA), against float64 attention over what the cache holds."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import turboquant as tq
 from turboquant.attention import PagedAttentionLayer, StepMetadata
 from turboquant.calibration import Calibration
 from conftest import requires_cuda
-from reference import attention_options_reference, rel_err
+from reference import attention_options_reference, packed_shift_reference, rel_err
 
 
 def _step_meta(block_table, prev_lens, new_lens, num_decodes, block_size):
@@ -43,6 +45,7 @@ def test_mixed_batch_matches_attention_over_the_cache(preset, calibration):
     t = sum(new)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d) * key_spread + key_offset, torch.randn(t, hkv, d) + value_offset
     out1 = layer.forward(q, k, v, meta, 0.125)
+    first_keys = k
     for b, (s, e) in enumerate(zip(meta.query_start_loc[:-1].tolist(), meta.query_start_loc[1:].tolist())):
         for i in range(e - s):  # first chunks attend causally to their raw K/V
             kk = k[s:s + i + 1].double().repeat_interleave(hq // hkv, 1)
@@ -69,14 +72,18 @@ def test_mixed_batch_matches_attention_over_the_cache(preset, calibration):
         s, e = starts[b], starts[b + 1]
         n = int(meta.seq_lens[b])
         kb, vb = keys[b, :n].double(), values[b, :n].double()
-        if e - s > 8:  # a long chunk (past the threshold) attends to its own raw K/V
+        shift = torch.zeros(e - s, hq, dtype=torch.float64)
+        if e - s > 8:  # a long chunk (past the threshold) attends to its own raw K/V, and lowers the packed logits
             kb = torch.cat([kb[:n - (e - s)], k[s:e].double()])
             vb = torch.cat([vb[:n - (e - s)], v[s:e].double()])
+            if preset is not None:
+                shift = packed_shift_reference(q[s:e], torch.cat([first_keys, k]), layer.transform, preset, 0.125)
         for i in range(e - s):
             limit = n - (e - s) + 1 + i
             kk = kb[:limit].repeat_interleave(hq // hkv, 1)
             vv = vb[:limit].repeat_interleave(hq // hkv, 1)
             sc = torch.einsum("hd,thd->ht", q[s + i].double(), kk) * 0.125
+            sc[:, :n - (e - s)] -= shift[i][:, None]
             ref = torch.einsum("ht,thd->hd", sc.softmax(-1), vv)
             assert rel_err(out2[s + i], ref) < 1e-4, (preset, b, i)
 
@@ -126,9 +133,15 @@ def test_mixed_batch_with_attention_options_matches_float64(option, preset, cali
             s, e = starts[b], starts[b + 1]
             n = int(meta.seq_lens[b])
             kb, vb = keys[b, :n].double().clone(), values[b, :n].double().clone()
+            bias = None
             if step == 0 or e - s > 8:  # first chunks and long continuations attend to their own raw K/V
                 kb[n - (e - s):], vb[n - (e - s):] = k[s:e].double(), v[s:e].double()
-            ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], scale, **options)
+                if step > 0 and preset is not None and option == "window":  # and lower the packed logits
+                    stored = torch.cat([x[2] for x in raw[:step + 1]])
+                    packed = torch.arange(n) < n - (e - s)
+                    bias = -packed_shift_reference(q[s:e], stored, layer.transform, preset, scale)[..., None] * packed
+            ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], scale, key_bias=bias,
+                                              **options)
             assert rel_err(out[s:e], ref) < 1e-5, (step, b)
 
 
@@ -214,7 +227,9 @@ def test_layer_over_an_engines_cache_attends_as_its_own(preset, head_major, devi
     torch.manual_seed(0)
     bs, hkv, hq, d, window = 16, 2, 8, 64, 23
     dtype = torch.float32 if device == "cpu" else torch.bfloat16  # CUDA decodes take fp16/bf16 queries
-    own = PagedAttentionLayer(32, bs, hkv, d, preset, device, dtype, varlen_threshold=8, window_left=window)
+    # over_cache never shifts packed logits (the engine stores the keys whose norms it is taken from)
+    own = PagedAttentionLayer(32, bs, hkv, d, preset, device, dtype, varlen_threshold=8, window_left=window,
+                              shift_packed_logits=False)
     engine_cache = tq.allocate_kv_cache(32, bs, hkv, d, preset, device, head_major=head_major)
     engine = PagedAttentionLayer.over_cache(engine_cache, preset, dtype, varlen_threshold=8, window_left=window)
     assert engine.head_dim == d and engine.cache is engine_cache
@@ -245,9 +260,10 @@ def test_windowed_long_chunk_never_reads_blocks_before_its_window(preset):
     layer.forward(torch.randn(100, hq, d), torch.randn(100, hkv, d), torch.randn(100, hkv, d), first, 0.125)
     chunk = _step_meta(block_table, [100], [12], 0, bs)  # 12 > varlen_threshold: the dequantized prefix
     q, k, v = torch.randn(12, hq, d), torch.randn(12, hkv, d), torch.randn(12, hkv, d)
-    clean_cache = layer.cache.clone()
+    clean_cache, clean_noise = layer.cache.clone(), copy.deepcopy(layer.noise)  # the chunk is stored twice
     expected = layer.forward(q, k, v, chunk, 0.125)
     layer.cache.copy_(clean_cache)
+    layer.noise = clean_noise
     freed = (100 - window) // bs  # blocks 0-3 end before position 100 - 23 = 77
     if preset is None:
         layer.cache[:freed] = float("nan")

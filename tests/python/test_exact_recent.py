@@ -14,7 +14,7 @@ from turboquant.attention import PagedAttentionLayer, StepMetadata
 from turboquant.calibration import Calibration
 from turboquant.recent import merge_by_lse
 from conftest import requires_cuda
-from reference import attention_options_reference, rel_err
+from reference import attention_options_reference, packed_shift_reference, rel_err
 
 BS, HKV, HQ, D, SCALE, R = 16, 2, 8, 64, 0.125, 8
 OPTIONS = {
@@ -55,6 +55,19 @@ def test_every_path_attends_to_the_kept_positions_exactly(preset, option, calibr
     _check_every_path(preset, option, calibration, "cpu", torch.float32, 1e-5, first, recent)
 
 
+@pytest.mark.parametrize("option", ["plain", "window"])
+@pytest.mark.parametrize("calibration", [None, CALIBRATED])
+def test_without_the_packed_logit_shift_every_path_attends_over_the_dequantized_keys(option, calibration):
+    _check_every_path("turboquant_k3v4_nc", option, calibration, "cpu", torch.float32, 1e-5, BS, R, shift=False)
+
+
+def test_the_reference_tells_a_layer_that_does_not_shift_from_one_that_does():
+    """Control: the shift is large enough against the tolerance for the tests above to see it."""
+    with pytest.raises(AssertionError):
+        _check_every_path("turboquant_k3v4_nc", "plain", None, "cpu", torch.float32, 1e-5, BS, R, shift=False,
+                          reference_shift=True)
+
+
 @requires_cuda
 @pytest.mark.parametrize("option", ["plain", "window", "sinks"])
 @pytest.mark.parametrize("calibration", [None, CALIBRATED])
@@ -65,11 +78,13 @@ def test_every_path_attends_to_the_kept_positions_exactly_on_cuda(option, calibr
     _check_every_path("turboquant_4bit_nc", option, calibration, "cuda", torch.bfloat16, 2e-2, first, recent)
 
 
-def _check_every_path(preset, option, calibration, device, dtype, tolerance, first=0, recent=R):
+def _check_every_path(preset, option, calibration, device, dtype, tolerance, first=0, recent=R, shift=True,
+                      reference_shift=None):
     torch.manual_seed(0)
     options = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in OPTIONS[option].items()}
     layer = PagedAttentionLayer(32, BS, HKV, D, preset, device=device, dtype=dtype, varlen_threshold=8,
-                                calibration=calibration, exact_recent=recent, exact_first=first, **options)
+                                calibration=calibration, exact_recent=recent, exact_first=first,
+                                shift_packed_logits=shift, **options)
     options = OPTIONS[option]  # the reference's, on the CPU
     block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
     offset = 3 * torch.randn(HKV, D)
@@ -93,18 +108,28 @@ def _check_every_path(preset, option, calibration, device, dtype, tolerance, fir
     if layer.transform is not None:
         keys, values = layer.transform.restore(keys, values)
     keys, values = keys.cpu(), values.cpu()
+    shift = shift if reference_shift is None else reference_shift
+    shifts = shift and option not in ("softcap", "sinks")  # where the layer lowers packed logits
     for i, (meta, q, out) in enumerate(steps):
         starts = meta.query_start_loc.tolist()
+        lens = meta.seq_lens.tolist()
+        stored = torch.cat([raw_k[b, :lens[b]] for b in range(4)])  # every key stored up to this step
         for b in range(4):
             s, e = starts[b], starts[b + 1]
             n = int(meta.seq_lens[b])
             kb, vb = keys[b, :n].double().clone(), values[b, :n].double().clone()
+            packed = torch.ones(n, dtype=torch.bool)
             # exact: a first chunk all of it; a decode its last R positions (itself one of them); a
             # continuation chunk its own tokens and the R before them; every step the first F
             own = e - s if e - s > 1 else 0
             for exact in (slice(0, n) if i == 0 else slice(max(n - recent - own, 0), n), slice(0, min(first, n))):
                 kb[exact], vb[exact] = raw_k[b, exact].double(), raw_v[b, exact].double()
-            ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], SCALE, **options)
+                packed[exact] = False
+            bias = None
+            if shifts:
+                bias = -packed_shift_reference(q[s:e], stored, layer.transform, preset, SCALE)[..., None] * packed
+            ref = attention_options_reference(q[s:e], kb[None], vb[None], [n], [e - s], SCALE, key_bias=bias,
+                                              **options)
             assert rel_err(out[s:e], ref) < tolerance, (i, b)
 
 

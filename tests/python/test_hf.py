@@ -171,10 +171,11 @@ def _reference_cache(model, cache, round_trip_new=True):
                          + [("turboquant_4bit_nc", Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0))])
 def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset, calibrate):
     """Calibrated: the packed layers hold transformed K/V; a decode step must attend as SDPA over
-    what they restore to in the original basis."""
+    what they restore to in the original basis (its raw first block included, so without the
+    packed-logit shift, which test_exact_recent checks at the layer)."""
     model, tok = smollm
     ids = tok(PROMPTS[1] + " lived by the shore and every morning went out in his little boat", return_tensors="pt").input_ids
-    cache = tqhf.TurboQuantCache(model.config, preset=preset, calibrate=calibrate)
+    cache = tqhf.TurboQuantCache(model.config, preset=preset, calibrate=calibrate, shift_packed_logits=False)
     with torch.no_grad():
         model(ids, **_cache(cache), use_cache=True)
         fitted = [cache.layers[i].attention.transform for i in cache.quantized_layers]
@@ -192,11 +193,12 @@ def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset
 
 def test_long_continuation_chunk_matches_sdpa_over_dequantized_prefix_and_raw_chunk(smollm):
     """A later chunk past varlen_threshold: SDPA over the dequantized prefix and its own raw K/V,
-    which is exactly the reference model run on a DynamicCache of the dequantized prefix."""
+    which is exactly the reference model run on a DynamicCache of the dequantized prefix (without
+    the packed-logit shift, which test_attention_layer checks on this path)."""
     model, tok = smollm
     ids = tok(PROMPTS[1] + " lived by the shore and every morning went out in his little boat", return_tensors="pt").input_ids
     split = 12
-    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", varlen_threshold=4)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", varlen_threshold=4, shift_packed_logits=False)
     with torch.no_grad():
         model(ids[:, :split], **_cache(cache), use_cache=True)
         ref = _reference_cache(model, cache, round_trip_new=False)
