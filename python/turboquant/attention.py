@@ -142,7 +142,7 @@ class PagedAttentionLayer:
                  device="cpu", dtype=torch.bfloat16, varlen_threshold: int = 64,
                  calibration: Calibration | None = None, window_left: int = -1, softcap: float = 0.0,
                  sinks: torch.Tensor | None = None, cache: torch.Tensor | None = None, exact_recent: int = 0,
-                 exact_first: int = 0, shift_packed_logits: bool = True):
+                 exact_first: int = 0, shift_packed_logits: bool = False):
         """``cache``: a packed cache to attend over instead of allocating one (see ``over_cache``).
         ``exact_recent``, ``exact_first``: the last and the first this many tokens of each sequence
         attend exactly (module docstring); ``exact_first`` is a multiple of ``block_size``.

@@ -260,7 +260,7 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, preset: str, sequences: _PagedSequences, varlen_threshold: int,
                  reserve_tokens: int | None = None, calibration: Calibration | None = None, exact_recent: int = 0,
-                 exact_first: int = 0, shift_packed_logits: bool = True):
+                 exact_first: int = 0, shift_packed_logits: bool = False):
         super().__init__()
         self.layer_idx, self.preset, self.sequences = layer_idx, preset, sequences
         self.varlen_threshold, self.reserve_tokens = varlen_threshold, reserve_tokens
@@ -411,12 +411,13 @@ class TurboQuantCache(Cache):
         shift_packed_logits: where raw keys (``exact_recent``, the first block, a chunk's own K/V)
             share a softmax with packed ones, lower the packed keys' logits by their expected
             quantization noise, which otherwise gives them too much of the attention
-            (``turboquant.packed_noise``). ``False`` attends over the dequantized keys as they are.
+            (``turboquant.packed_noise``). Off by default: it helps some models and presets a lot
+            and others not, and it is no better with ``calibrate=True, exact_recent=64``.
     """
 
     def __init__(self, config, preset: str = "turboquant_4bit_nc", boundary_skip_layers: int = 2,
                  skip_layers=None, block_size: int = 16, varlen_threshold: int = 64, reserve_tokens: int | None = None,
-                 calibrate=None, exact_recent: int = 0, shift_packed_logits: bool = True):
+                 calibrate=None, exact_recent: int = 0, shift_packed_logits: bool = False):
         text_config = config.get_text_config(decoder=True)
         impl = getattr(text_config, "_attn_implementation", None)
         if impl != ATTN_IMPLEMENTATION:

@@ -9,13 +9,17 @@ the D coordinates, so the logit ``s q·k̂`` carries noise of variance ``σ² = 
 
 Where every key a query sees is packed, that factor divides out of the softmax. Where raw keys
 share it (``exact_recent``, ``exact_first``, a continuation chunk's own K/V), the packed keys take
-too much of the mass: on Qwen2.5-0.5B at k3v4_nc the packed part's log-sum-exp is 0.1–0.3 nats too
-high in a typical layer. A layer therefore lowers the packed keys' logits by ``σ²/2``, with ``‖k‖²``
-the mean over every key it has stored (per KV head, in the stored basis): one shift per query and
-head, which the decode applies to the packed part's log-sum-exp and a dense chunk to the packed
-columns. Emulated decode with the last 64 tokens raw, Qwen2.5-0.5B, one 2,048-token window: KL
-0.079 → 0.022 at 4bit_nc and 0.181 → 0.068 at k3v4_nc; a shift per key (``‖k_j‖²`` each) gave
-0.023 and 0.063, so the kernels need not change (docs/QUALITY.md, *Raw and packed keys in one softmax*).
+too much of the mass: on Qwen2.5-0.5B at k3v4_nc the packed part's log-sum-exp is 0.13–0.32 nats
+too high in most layers. A layer built with ``shift_packed_logits=True`` lowers the packed keys'
+logits by ``σ²/2``, with ``‖k‖²`` the mean over every key it has stored (per KV head, in the stored
+basis): one shift per query and head, which the decode applies to the packed part's log-sum-exp and
+a dense chunk to the packed columns, so the kernels are unchanged (a shift per key bought no more in
+an emulated decode: docs/QUALITY.md, *Raw and packed keys in one softmax*).
+
+It is off by default because it is not better everywhere. Serving perplexity (3 windows) moves by
+up to −10 points where keys are hard and uncalibrated (Gemma 3 270M k3v4_nc +22.9 → +13.3 %; Qwen
+4bit_nc with exact_recent=64 +2.8 → +0.1 %), but up to +1.2 points elsewhere (Qwen k3v4_nc alone
++4.7 → +5.9 %), and with ``calibrate=True, exact_recent=64`` it is no better (−0.6 to +0.4 points).
 
 FP8 keys (k8v4) get no shift: their relative error, 0.0007, moves the emulated KL by under 0.0001.
 Nor do layers with soft-capping (the tanh squashes the noise) or sinks (the sink's logit shares the

@@ -35,7 +35,9 @@ def test_mixed_batch_matches_attention_over_the_cache(preset, calibration):
     dequantized prefix) must attend as over the restored K/V in the original basis."""
     torch.manual_seed(0)
     bs, hkv, hq, d = 16, 2, 8, 64
-    layer = PagedAttentionLayer(32, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8, calibration=calibration)
+    # with the packed-logit shift, which the long chunk's dense attention applies (its own keys are raw)
+    layer = PagedAttentionLayer(32, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8, calibration=calibration,
+                                shift_packed_logits=True)
     block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
     # keys with a shared per-channel offset and uneven channel spreads, as real keys have
     key_offset, key_spread, value_offset = 3 * torch.randn(hkv, d), torch.rand(hkv, d) * 3 + 0.2, torch.randn(hkv, d)
@@ -107,7 +109,7 @@ def test_mixed_batch_with_attention_options_matches_float64(option, preset, cali
     bs, hkv, hq, d, scale = 16, 2, 8, 64, 0.125
     options = LAYER_OPTIONS[option]
     layer = PagedAttentionLayer(32, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8,
-                                calibration=calibration, **options)
+                                calibration=calibration, shift_packed_logits=True, **options)
     block_table = torch.arange(32, dtype=torch.int32).view(4, 8)
     key_offset = 3 * torch.randn(hkv, d)
     raw = []
@@ -227,9 +229,7 @@ def test_layer_over_an_engines_cache_attends_as_its_own(preset, head_major, devi
     torch.manual_seed(0)
     bs, hkv, hq, d, window = 16, 2, 8, 64, 23
     dtype = torch.float32 if device == "cpu" else torch.bfloat16  # CUDA decodes take fp16/bf16 queries
-    # over_cache never shifts packed logits (the engine stores the keys whose norms it is taken from)
-    own = PagedAttentionLayer(32, bs, hkv, d, preset, device, dtype, varlen_threshold=8, window_left=window,
-                              shift_packed_logits=False)
+    own = PagedAttentionLayer(32, bs, hkv, d, preset, device, dtype, varlen_threshold=8, window_left=window)
     engine_cache = tq.allocate_kv_cache(32, bs, hkv, d, preset, device, head_major=head_major)
     engine = PagedAttentionLayer.over_cache(engine_cache, preset, dtype, varlen_threshold=8, window_left=window)
     assert engine.head_dim == d and engine.cache is engine_cache
@@ -254,7 +254,8 @@ def test_windowed_long_chunk_never_reads_blocks_before_its_window(preset):
     does): a long continuation chunk must attend as before when those blocks hold NaN bytes."""
     torch.manual_seed(0)
     bs, hkv, hq, d, window = 16, 2, 8, 64, 23
-    layer = PagedAttentionLayer(16, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8, window_left=window)
+    layer = PagedAttentionLayer(16, bs, hkv, d, preset, dtype=torch.float32, varlen_threshold=8, window_left=window,
+                                shift_packed_logits=True)
     block_table = torch.arange(16, dtype=torch.int32).view(1, 16)
     first = _step_meta(block_table, [0], [100], 0, bs)
     layer.forward(torch.randn(100, hq, d), torch.randn(100, hkv, d), torch.randn(100, hkv, d), first, 0.125)

@@ -98,6 +98,8 @@ def test_bad_constructor_arguments_are_refused_naming_them():
         tqhf.TurboQuantCache(model.config, reserve_tokens=0)
     with pytest.raises(ValueError, match="calibrate must be"):
         tqhf.TurboQuantCache(model.config, calibrate="keys")
+    with pytest.raises(ValueError, match="shift_packed_logits must be True or False"):
+        tqhf.TurboQuantCache(model.config, shift_packed_logits=1)
 
 
 def test_cache_refuses_a_model_without_turboquant_attention():
@@ -171,11 +173,10 @@ def _reference_cache(model, cache, round_trip_new=True):
                          + [("turboquant_4bit_nc", Calibration(smooth_keys=0.5, center_values=True, min_offset=0.0))])
 def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset, calibrate):
     """Calibrated: the packed layers hold transformed K/V; a decode step must attend as SDPA over
-    what they restore to in the original basis (its raw first block included, so without the
-    packed-logit shift, which test_exact_recent checks at the layer)."""
+    what they restore to in the original basis."""
     model, tok = smollm
     ids = tok(PROMPTS[1] + " lived by the shore and every morning went out in his little boat", return_tensors="pt").input_ids
-    cache = tqhf.TurboQuantCache(model.config, preset=preset, calibrate=calibrate, shift_packed_logits=False)
+    cache = tqhf.TurboQuantCache(model.config, preset=preset, calibrate=calibrate)
     with torch.no_grad():
         model(ids, **_cache(cache), use_cache=True)
         fitted = [cache.layers[i].attention.transform for i in cache.quantized_layers]
@@ -193,12 +194,11 @@ def test_decode_step_logits_match_sdpa_over_the_dequantized_cache(smollm, preset
 
 def test_long_continuation_chunk_matches_sdpa_over_dequantized_prefix_and_raw_chunk(smollm):
     """A later chunk past varlen_threshold: SDPA over the dequantized prefix and its own raw K/V,
-    which is exactly the reference model run on a DynamicCache of the dequantized prefix (without
-    the packed-logit shift, which test_attention_layer checks on this path)."""
+    which is exactly the reference model run on a DynamicCache of the dequantized prefix."""
     model, tok = smollm
     ids = tok(PROMPTS[1] + " lived by the shore and every morning went out in his little boat", return_tensors="pt").input_ids
     split = 12
-    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", varlen_threshold=4, shift_packed_logits=False)
+    cache = tqhf.TurboQuantCache(model.config, preset="turboquant_4bit_nc", varlen_threshold=4)
     with torch.no_grad():
         model(ids[:, :split], **_cache(cache), use_cache=True)
         ref = _reference_cache(model, cache, round_trip_new=False)
@@ -378,6 +378,23 @@ def test_exact_recent_over_the_whole_context_generates_as_the_plain_cache(preset
     assert torch.equal(plain.sequences, ours.sequences)
     for a, b in zip(plain.logits, ours.logits):
         assert ((a - b).norm() / a.norm()).item() < 1e-5
+
+
+def test_shift_packed_logits_reaches_every_packed_layer_and_moves_only_mixed_softmaxes():
+    """``shift_packed_logits=True``: each packed layer shifts (turboquant.packed_noise; the layer
+    tests check the shift against float64). A batch's first prefill (raw K/V only) is unchanged;
+    its decode steps with exact recent tokens beside packed ones are not."""
+    from transformers import LlamaConfig
+    model = _tiny(LlamaConfig)
+    ids, mask = _left_padded_prompts()
+    runs = {}
+    for shift in (False, True):
+        cache = tqhf.TurboQuantCache(model.config, preset="turboquant_k3v4_nc", boundary_skip_layers=1,
+                                     exact_recent=4, shift_packed_logits=shift)
+        runs[shift] = _generate(model, ids, mask, cache=cache, steps=8)
+        assert all((cache.layers[i].attention.noise is not None) == shift for i in cache.quantized_layers)
+    assert torch.equal(runs[False].logits[0], runs[True].logits[0])  # the prefill's last logits
+    assert not torch.equal(runs[False].logits[-1], runs[True].logits[-1])
 
 
 def test_packed_bytes_count_the_rings_of_exact_recent_tokens():
