@@ -31,6 +31,9 @@ are raw). Its steps name their sequences (``StepMetadata.sequence_ids``).
 ``exact_first=F`` (a whole number of blocks) keeps each sequence's first F raw K/V the same way:
 decode steps read the packed cache from the block after them on. A calibrated layer keeps its
 attention sinks so (``Calibration.exact_first_block``; turboquant.hf sets it to one block).
+``shift_packed_logits=True`` lowers the packed keys' logits by their expected quantization noise
+wherever raw keys share their softmax (exact tokens, a long chunk's own K/V): the decode's packed
+log-sum-exp before the merge, the packed columns of the dense paths (``turboquant.packed_noise``).
 
 A pure-decode step (every sequence decodes one token) makes no host synchronisation, for either
 kind of layer, so it can be captured in a CUDA graph and replayed with new seq_lens, block tables

@@ -102,7 +102,7 @@ class RecentTokens:
         out = torch.einsum("bkgr,brkd->bkgd", weights, values)
         return out.reshape(query.shape).float(), lse.reshape(query.shape[:2])
 
-    def overlay(self, keys: torch.Tensor, values: torch.Tensor, sequence: int, first: int) -> None:
+    def overlay(self, keys: torch.Tensor, values: torch.Tensor, sequence: int, first: int) -> torch.Tensor:
         """Puts the ring's entries of ``sequence`` into its dense prefix ``keys``/``values [N, Hkv, D]``
         (positions ``first .. first + N - 1``), in place, and returns the rows it put back (one host
         synchronisation: the long-chunk path that calls it has made one already)."""
