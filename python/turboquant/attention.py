@@ -161,8 +161,8 @@ class PagedAttentionLayer:
                       if exact_first and preset is not None else None)
         # Every store of raw tokens beside the packed cache, first tokens first.
         self.exact_tokens = [t for t in (self.first, self.recent) if t is not None]
-        noise = PackedKeyNoise(preset, num_kv_heads, head_dim, device) if preset is not None else None
-        self.noise = noise if shift_packed_logits and noise is not None and noise.active else None
+        noise = PackedKeyNoise(preset, num_kv_heads, head_dim, device) if shift_packed_logits and preset else None
+        self.noise = noise if noise is not None and noise.active else None  # FP8 keys: nothing to shift
         self.varlen_threshold = varlen_threshold
         self._recipe = calibration if preset is not None else None
         self.transform: KVTransform | None = None  # fitted on the first store when calibrating
@@ -452,13 +452,15 @@ class PagedAttentionLayer:
                 kept = cached_before - skip * self.block_size
                 k, v = self._dense(meta.block_table[b:b + 1, skip:], meta.seq_lens[b:b + 1] - q_len - skip * self.block_size)
                 k, v = k[0, :kept], v[0, :kept]
-                packed = torch.ones(kept + q_len, dtype=torch.bool, device=k.device)
-                packed[kept:] = False
+                shift = self._packed_shift(query[s:e], scale)
+                packed = None if shift is None else torch.arange(kept + q_len, device=k.device) < kept
                 for exact in self.exact_tokens:
-                    packed[exact.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)] = False
+                    raw = exact.overlay(k, v, int(meta.sequence_ids[b]), skip * self.block_size)
+                    if packed is not None:
+                        packed[raw] = False
                 k = torch.cat([k.to(key.dtype), key[s:e]])
                 v = torch.cat([v.to(value.dtype), value[s:e]])
-                out[s:e] = self._sdpa(query[s:e], k, v, scale, self._packed_shift(query[s:e], scale), packed)
+                out[s:e] = self._sdpa(query[s:e], k, v, scale, shift, packed)
         if nd > 0:
             sequence = None if meta.sequence_ids is None else meta.sequence_ids[:nd]
             out[:nd] = self._decode(query[:nd], meta.block_table[:nd], meta.seq_lens[:nd], scale, sequence)
