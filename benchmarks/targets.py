@@ -8,11 +8,14 @@ Protocols of turboquant/evaluation.py, over 2,048-token windows, the first and l
 (the library's default):
 
 * ``decode`` (the default; the case that loses most): the window's last 256 tokens decoded one at
-  a time, each step reading the cache. Each cell: the perplexity change against the plain cache
-  and the mean KL(plain || cache) per predicted token, in nats. Writes the ``targets`` section.
+  a time, each step reading the cache. Writes the ``targets`` section.
 * ``serving``: the window fed in 256-token chunks, each attending to its own raw K/V and the packed
-  cache of the earlier chunks, as a serving engine's prefill does. Each cell: the perplexity
-  change. Writes the ``targets-serving`` section.
+  cache of the earlier chunks, as a serving engine's prefill does. Writes the ``targets-serving``
+  section.
+
+Each cell: the perplexity change against the plain cache and the mean KL(plain || cache) per
+predicted token, in nats (in serving, over every token of the window: the first chunk's, which
+attend to raw K/V only, add none).
 
 Each perplexity change comes with its standard error, paired per token with the plain cache
 (``evaluation.perplexity_change``). Same packed bytes per token in every column;
@@ -58,12 +61,17 @@ def model_table(name: str, windows: int, presets: list[str], protocol: str, colu
     wins = ev.windows(tok(assets.text(), return_tensors="pt").input_ids, 2048, windows)
     start = time.time()
 
-    def measure(make, reference=None):  # -> per-token NLLs of every window, their log-probs or None, KL or None
-        if protocol == "serving":
-            return torch.cat([ev.serving_token_nlls(model, w, make) for w in wins]), None, None
-        runs = [ev.decode_log_probs(model, w, make) for w in wins]
-        kl = None if reference is None else sum(ev.mean_kl(ref, r) for ref, r in zip(reference, runs)) / len(runs)
-        return torch.cat([ev.token_nlls(r, w) for r, w in zip(runs, wins)]), runs, kl
+    def measure(make, reference=None):  # -> per-token NLLs of every window, their log-probs, KL or None
+        log_probs_of = ev.serving_log_probs if protocol == "serving" else ev.decode_log_probs
+        nlls, runs, kls = [], [], []
+        for i, w in enumerate(wins):  # a window at a time: a serving window's log-probs take 2 GB at 262k tokens
+            log_probs = log_probs_of(model, w, make)
+            nlls.append(ev.token_nlls(log_probs, w))
+            if reference is None:
+                runs.append(log_probs)
+            else:
+                kls.append(ev.mean_kl(reference[i], log_probs))
+        return torch.cat(nlls), runs, None if reference is None else sum(kls) / len(kls)
 
     reference_nlls, reference, _ = measure(DynamicCache)
     base = reference_nlls.double().mean().exp().item()
@@ -75,7 +83,7 @@ def model_table(name: str, windows: int, presets: list[str], protocol: str, colu
                                   reference)
             change, error = ev.perplexity_change(reference_nlls, nlls)
             mark = "" if change <= TARGETS.get(preset, float("inf")) else " ✗"
-            cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark}" + ("" if kl is None else f" / {kl:.3f}")
+            cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark} / {kl:.3f}"
             done += 1
             progress(done, total, f"{name}: {preset[11:]} {column}", start)
     lines = ["| preset (target) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
@@ -97,8 +105,8 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(0)
     sections = model_sections(a.models, lambda name: model_table(name, a.windows, a.presets, a.protocol, a.columns))
-    cells = ("the perplexity change ± its standard error (paired per token with the plain cache)"
-             + (" / the mean KL(plain || cache) per predicted token in nats" if a.protocol == "decode" else ""))
+    cells = ("the perplexity change ± its standard error (paired per token with the plain cache) / the mean "
+             "KL(plain || cache) per predicted token in nats")
     how = ("the last 256 decoded one at a time" if a.protocol == "decode" else
            "fed in 256-token chunks that attend to their own raw K/V and the packed earlier chunks")
     write_model_sections(

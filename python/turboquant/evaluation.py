@@ -98,21 +98,33 @@ def windows(ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
     return [ids[:, i * length:(i + 1) * length] for i in range(count)]
 
 
-def serving_token_nlls(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> torch.Tensor:
-    """NLL ``[len - 1]`` (float32, CPU) of each token of ``window[1:]``, the window fed in chunks."""
-    cache, nlls = kind(), []
+def _serving_logits(model, window: torch.Tensor, kind: CacheKind, chunk: int):
+    """The window fed in chunks: yields, chunk by chunk, the float32 logits predicting each of
+    ``window[1:]`` (in order) and those tokens."""
+    cache = kind()
     device = next(model.parameters()).device
     window = window.to(device)
     previous = None
     for start in range(0, window.shape[1], chunk):
-        ids = window[:, start:start + chunk]
-        logits = _forward(model, ids, cache)[0].float()
-        if previous is not None:  # the last logit of the previous chunk predicts this chunk's first token
-            nlls.append(F.cross_entropy(previous[None], ids[0, :1], reduction="none"))
-        if ids.shape[1] > 1:
-            nlls.append(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none"))
+        ids = window[0, start:start + chunk]
+        logits = _forward(model, ids[None], cache)[0].float()
+        # the last logit of the previous chunk predicts this chunk's first token
+        rows = logits[:-1] if previous is None else torch.cat([previous[None], logits[:-1]])
+        if rows.shape[0]:
+            yield rows, ids[1:] if previous is None else ids
         previous = logits[-1]
-    return torch.cat(nlls).cpu()
+
+
+def serving_token_nlls(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> torch.Tensor:
+    """NLL ``[len - 1]`` (float32, CPU) of each token of ``window[1:]``, the window fed in chunks."""
+    return torch.cat([F.cross_entropy(rows, ids, reduction="none")
+                      for rows, ids in _serving_logits(model, window, kind, chunk)]).cpu()
+
+
+def serving_log_probs(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> torch.Tensor:
+    """Log-probabilities ``[len - 1, vocab]`` (float32, CPU) predicting each token of ``window[1:]``,
+    the window fed in chunks (``token_nlls`` and ``mean_kl`` take them as decode_log_probs')."""
+    return torch.cat([rows.log_softmax(-1).cpu() for rows, _ in _serving_logits(model, window, kind, chunk)])
 
 
 def serving_nll(model, window: torch.Tensor, kind: CacheKind, chunk: int = 256) -> tuple[float, int]:
