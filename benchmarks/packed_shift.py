@@ -5,14 +5,19 @@
 An emulation, not the cache: one forward of each 2,048-token window in which every attention layer
 (but the first and last two) lets query ``t`` attend to the raw K/V of its last RECENT positions
 (itself included; 0: none) and to the packed-then-dequantized K/V (``roundtrip.packed``) of the
-others, as a decode step with ``exact_recent=RECENT`` does at every position. SHIFT lowers the
+others, as a decode step with ``exact_recent=RECENT`` does at every position. RECENT ``serving``
+instead keeps raw the keys of the query's own 256-token chunk, as the serving protocol of
+benchmarks/targets.py does (preset alone). SHIFT lowers the
 packed keys' logits by half their noise variance ``s² ‖q‖² m ‖k‖² / D`` (turboquant.packed_noise),
 ``m`` the preset's relative key error measured on the model's keys:
 
 * ``none``: no shift;
 * ``query``: one shift per query and head, ``‖k‖²`` the mean over the packed keys it sees (what
   the cache does, with the mean over the keys it stored);
-* ``key``: a shift per key, its own ``‖k‖²`` (what a kernel change would give).
+* ``key``: a shift per key, its own ``‖k‖²`` (what a kernel change would give);
+* ``fit``: ``c s² ‖q‖²``, ``c`` fitted per query head on the window's first 256 queries (from the
+  17th on), all their keys packed: the measured excess of their packed log-sum-exp over the exact
+  one, summed, over their summed ``s² ‖q‖²`` (a shift measured on the first prefill chunk).
 
 Prints the perplexity change against the unquantized model on the tokens past the first 256 of
 each window, ± its standard error, and the mean KL(plain || emulated) per token in nats. The table
@@ -36,6 +41,9 @@ from turboquant import assets, evaluation as ev  # noqa: E402
 from turboquant.roundtrip import packed  # noqa: E402
 
 SKIP = 256  # positions scored from here on: each query then sees at least this many keys
+CHUNK = 256  # a serving chunk; ``fit`` measures on the first
+FIT_FROM = 16  # fit on queries that see at least this many keys
+SERVING = -1  # RECENT "serving": chunks of CHUNK, each attending to its own raw keys
 EXCESS_RECENT = 64
 
 
@@ -75,16 +83,27 @@ class Emulation:
             preset, recent, shift, mse = self.config
             k_hat, v_hat = (x.transpose(0, 1) for x in packed(preset, k.transpose(0, 1).contiguous(),
                                                                      v.transpose(0, 1).contiguous()))
-            is_packed = pos[None, :] <= pos[:, None] - recent  # [query, key]
+            if recent == SERVING:  # a serving chunk: its own keys raw, the earlier chunks' packed
+                is_packed = pos[None, :] // CHUNK < pos[:, None] // CHUNK
+            else:
+                is_packed = pos[None, :] <= pos[:, None] - recent  # [query, key]
             packed_logits = logits_of(k_hat)
             norms = k.pow(2).sum(-1)  # [Hkv, T]
-            noise = 0.5 * mse * scale * scale * q.pow(2).sum(-1, keepdim=True) / dim  # [Hkv, g, T, 1] x ‖k‖²
+            q2 = scale * scale * q.pow(2).sum(-1, keepdim=True)  # [Hkv, g, T, 1]
+            noise = 0.5 * mse * q2 / dim  # x ‖k‖²
             if shift == "query":
                 seen = is_packed.float()
                 mean = torch.einsum("qt,ht->hq", seen, norms) / seen.sum(-1).clamp(min=1)  # [Hkv, T]
                 packed_logits = packed_logits - noise * mean[:, None, :, None]
             elif shift == "key":
                 packed_logits = packed_logits - noise * norms[:, None, None, :]
+            elif shift == "fit":
+                first = slice(FIT_FROM, CHUNK)  # the first chunk's queries, every key before them packed
+                causal = (pos[None, :CHUNK] <= pos[:CHUNK, None])[FIT_FROM:]
+                excess = (packed_logits[:, :, first, :CHUNK].masked_fill(~causal, -float("inf")).logsumexp(-1)
+                          - logits[:, :, first, :CHUNK].masked_fill(~causal, -float("inf")).logsumexp(-1))
+                fit = excess.sum(-1) / q2[:, :, first, 0].sum(-1)  # [Hkv, g]
+                packed_logits = packed_logits - fit[:, :, None, None] * q2
             logits = torch.where(is_packed, packed_logits, logits).masked_fill(~allowed, -float("inf"))
             weights = logits.softmax(-1)
             out = (torch.einsum("hgqt,htd->hgqd", weights * ~is_packed, v)
@@ -152,7 +171,7 @@ def main() -> None:
             print("  packed log-sum-exp excess per layer (nats): " + " ".join(f"{x:+.2f}" for x in excess), flush=True)
         for config in args.configs:
             recent, shift = config.split(":")
-            emulation.config = (preset, int(recent), shift, error / norm)
+            emulation.config = (preset, SERVING if recent == "serving" else int(recent), shift, error / norm)
             lp = log_probs()
             change, se = ev.perplexity_change(nlls(reference), nlls(lp))
             print(f"  {preset[11:]} recent={recent} shift={shift}: {change:+.2f} ± {se:.2f} %  KL "
