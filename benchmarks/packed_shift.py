@@ -15,6 +15,12 @@ packed keys' logits by half their noise variance ``s² ‖q‖² m ‖k‖² / D
 * ``query``: one shift per query and head, ``‖k‖²`` the mean over the packed keys it sees (what
   the cache does, with the mean over the keys it stored);
 * ``key``: a shift per key, its own ``‖k‖²`` (what a kernel change would give);
+* ``shrink``: no shift; the packed logits times ``√(1 − m)``, the mean norm of the codebook's
+  reconstruction, which the ``_nc`` presets' stored norm divides by (SPEC §1): the centroid's logit;
+* ``centroid``: ``shrink``, then raised by ``σ²/2`` (the centroid model: the exact logit is the
+  centroid's plus independent noise, whose exp the centroid's understates);
+* ``regression``: the packed logits over ``√(1 − m)``, then lowered by ``σ²/2`` (the packed logit
+  as ``√(1 − m)`` times the exact one plus independent noise);
 * ``fit``: ``c s² ‖q‖²``, ``c`` fitted per query head on the window's first 256 queries (from the
   17th on), all their keys packed: the measured excess of their packed log-sum-exp over the exact
   one, summed, over their summed ``s² ‖q‖²`` (a shift measured on the first prefill chunk).
@@ -97,6 +103,15 @@ class Emulation:
                 packed_logits = packed_logits - noise * mean[:, None, :, None]
             elif shift == "key":
                 packed_logits = packed_logits - noise * norms[:, None, None, :]
+            elif shift in ("shrink", "centroid", "regression"):
+                seen = is_packed.float()
+                mean = torch.einsum("qt,ht->hq", seen, norms) / seen.sum(-1).clamp(min=1)
+                if shift == "regression":  # the packed logit regressed on the exact one: a ℓ + noise
+                    packed_logits = packed_logits / (1 - mse) ** 0.5 - noise * mean[:, None, :, None]
+                else:  # the centroid's logit, which exp understates the key's weight from
+                    packed_logits = packed_logits * (1 - mse) ** 0.5
+                    if shift == "centroid":
+                        packed_logits = packed_logits + noise * mean[:, None, :, None]
             elif shift == "fit":
                 first = slice(FIT_FROM, CHUNK)  # the first chunk's queries, every key before them packed
                 causal = (pos[None, :CHUNK] <= pos[:CHUNK, None])[FIT_FROM:]
@@ -140,7 +155,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--excess", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     emulation = Emulation()
     AttentionInterface.register("packed_shift", emulation)
     AttentionMaskInterface.register("packed_shift", sdpa_mask)  # sliding-window layers get their masks
