@@ -17,6 +17,7 @@ import argparse
 import datetime
 import os
 import random
+import shlex
 import sys
 import time
 
@@ -48,7 +49,7 @@ def model_sections(models: list[str], table) -> list[str]:
 def write_model_sections(out: str, section: str, source: str, title: str, about: str, sections: list[str]) -> None:
     """The RESULTS.md section `section` of a per-model run (model_sections): `title`, then today's
     date, the commit and the command line before `about`, then the tables."""
-    body = "\n".join([title, "", f"{datetime.date.today()}, CPU, commit {current_commit()}, `python {' '.join(sys.argv)}`. "
+    body = "\n".join([title, "", f"{datetime.date.today()}, CPU, commit {current_commit()}, `python {shlex.join(sys.argv)}`. "
                       + about, "", *sections]).rstrip()
     replace_section(out, section, body, source)
     print(f"wrote {out}")
