@@ -16,10 +16,13 @@ basis): one shift per query and head, which the decode applies to the packed par
 a dense chunk to the packed columns, so the kernels are unchanged (a shift per key bought no more in
 an emulated decode: docs/QUALITY.md, *Raw and packed keys in one softmax*).
 
-It is off by default because it is not better everywhere. Serving perplexity (3 windows) moves by
-up to −10 points where keys are hard and uncalibrated (Gemma 3 270M k3v4_nc +22.9 → +13.3 %; Qwen
-4bit_nc with exact_recent=64 +2.8 → +0.1 %), but up to +1.2 points elsewhere (Qwen k3v4_nc alone
-+4.7 → +5.9 %), and with ``calibrate=True, exact_recent=64`` it is no better (−0.6 to +0.4 points).
+It is off by default because it overshoots where keys are easy or calibrated. Serving (3 windows):
+where keys are hard and uncalibrated, perplexity moves by up to −10 points (Gemma 3 270M k3v4_nc
++22.9 → +13.3 %; Qwen 4bit_nc with exact_recent=64 +2.8 → +0.1 %) and the KL to the plain cache
+falls 1.5–4.5x; but SmolLM2's KL rises by up to a third, and with ``calibrate=True,
+exact_recent=64`` the KL is nowhere lower (Qwen k3v4_nc 0.012 → 0.018). Neither a shift fitted on
+the first prefill chunk nor one that also undoes the ``_nc`` norm's scaling did better (emulated:
+docs/QUALITY.md).
 
 FP8 keys (k8v4) get no shift: their relative error, 0.0007, moves the emulated KL by under 0.0001.
 Nor do layers with soft-capping (the tanh squashes the noise) or sinks (the sink's logit shares the
