@@ -97,21 +97,16 @@ class Emulation:
             norms = k.pow(2).sum(-1)  # [Hkv, T]
             q2 = scale * scale * q.pow(2).sum(-1, keepdim=True)  # [Hkv, g, T, 1]
             noise = 0.5 * mse * q2 / dim  # x ‖k‖²
+            seen = is_packed.float()  # the mean ‖k‖² over the packed keys each query sees: [Hkv, T, 1]
+            mean = (torch.einsum("qt,ht->hq", seen, norms) / seen.sum(-1).clamp(min=1))[:, None, :, None]
             if shift == "query":
-                seen = is_packed.float()
-                mean = torch.einsum("qt,ht->hq", seen, norms) / seen.sum(-1).clamp(min=1)  # [Hkv, T]
-                packed_logits = packed_logits - noise * mean[:, None, :, None]
+                packed_logits = packed_logits - noise * mean
             elif shift == "key":
                 packed_logits = packed_logits - noise * norms[:, None, None, :]
-            elif shift in ("shrink", "centroid", "regression"):
-                seen = is_packed.float()
-                mean = torch.einsum("qt,ht->hq", seen, norms) / seen.sum(-1).clamp(min=1)
-                if shift == "regression":  # the packed logit regressed on the exact one: a ℓ + noise
-                    packed_logits = packed_logits / (1 - mse) ** 0.5 - noise * mean[:, None, :, None]
-                else:  # the centroid's logit, which exp understates the key's weight from
-                    packed_logits = packed_logits * (1 - mse) ** 0.5
-                    if shift == "centroid":
-                        packed_logits = packed_logits + noise * mean[:, None, :, None]
+            elif shift == "regression":  # the packed logit regressed on the exact one: a ℓ + noise
+                packed_logits = packed_logits / (1 - mse) ** 0.5 - noise * mean
+            elif shift in ("shrink", "centroid"):  # the centroid's logit, whose exp understates the key's weight
+                packed_logits = packed_logits * (1 - mse) ** 0.5 + (noise * mean if shift == "centroid" else 0)
             elif shift == "fit":
                 first = slice(FIT_FROM, CHUNK)  # the first chunk's queries, every key before them packed
                 causal = (pos[None, :CHUNK] <= pos[:CHUNK, None])[FIT_FROM:]
