@@ -18,11 +18,15 @@ predicted token, in nats (in serving, over every token of the window: the first 
 attend to raw K/V only, add none).
 
 Each perplexity change comes with its standard error, paired per token with the plain cache
-(``evaluation.perplexity_change``). Same packed bytes per token in every column;
-``exact_recent=64`` adds 64 raw tokens per sequence and layer, whatever the context, and
-``calibrate=True`` one block (16 tokens) where it centers keys (``Calibration.exact_first_block``).
-``--columns`` measures some of the columns only (a decode table takes about 2 h on 2 CPU cores), or
-adds those with ``shift_packed_logits=True`` (``"both, shift"``, ...).
+(``evaluation.perplexity_change``); where the run has the ``preset alone`` column, each other
+column of a preset is also paired with it, and a cell higher than it by more than ``WORSE_SE``
+standard errors is marked (the targets' "never worse than without the option").
+
+Same packed bytes per token in every column; ``exact_recent=64`` adds 64 raw tokens per sequence
+and layer, whatever the context, and ``calibrate=True`` one block (16 tokens) where it centers keys
+(``Calibration.exact_first_block``). ``--columns`` measures some of the columns only (a decode
+table takes about 2 h on 2 CPU cores), or adds those with ``shift_packed_logits=True``
+(``"both, shift"``, ...).
 """
 
 from __future__ import annotations
@@ -54,6 +58,16 @@ OPTIONS.update({f"{name}, shift": {**options, "shift_packed_logits": True} for n
 DEFAULT_COLUMNS = ["preset alone", "calibrate=True", "exact_recent=64", "both"]
 # the issue's targets: perplexity change at most this many percent
 TARGETS = {"turboquant_k8v4": 1.0, "turboquant_4bit_nc": 3.0, "turboquant_k3v4_nc": 8.0}
+# An option is "worse than the preset alone" where its perplexity, paired per token with the preset
+# alone's, is higher by more than this many standard errors.
+WORSE_SE = 2.0
+
+
+def worse_than_alone(alone_nlls: torch.Tensor, nlls: torch.Tensor) -> bool:
+    """Whether ``nlls`` (an option's) lose more than ``WORSE_SE`` standard errors of perplexity to
+    ``alone_nlls`` (the preset alone's, the same tokens)."""
+    change, error = ev.perplexity_change(alone_nlls, nlls)
+    return change > WORSE_SE * error
 
 
 def model_table(name: str, windows: int, presets: list[str], protocol: str, columns: list[str]) -> tuple[list[str], str]:
@@ -76,13 +90,20 @@ def model_table(name: str, windows: int, presets: list[str], protocol: str, colu
     reference_nlls, reference, _ = measure(DynamicCache)
     base = reference_nlls.double().mean().exp().item()
     cells, done, total = {}, 0, len(presets) * len(columns)
+    # "preset alone" first, so that every other column of a preset is compared with it
+    order = sorted(columns, key=lambda c: c != "preset alone")
     for preset in presets:
-        for column in columns:
+        alone_nlls = None
+        for column in order:
             options = OPTIONS[column]
             nlls, _, kl = measure(lambda p=preset, o=options: tqhf.TurboQuantCache(model.config, preset=p, **o),
                                   reference)
             change, error = ev.perplexity_change(reference_nlls, nlls)
             mark = "" if change <= TARGETS.get(preset, float("inf")) else " ✗"
+            if column == "preset alone":
+                alone_nlls = nlls
+            elif alone_nlls is not None and worse_than_alone(alone_nlls, nlls):
+                mark += " ▲"
             cells[(preset, column)] = f"{change:+.1f} ± {error:.1f} %{mark} / {kl:.3f}"
             done += 1
             progress(done, total, f"{name}: {preset[11:]} {column}", start)
@@ -114,7 +135,9 @@ def main() -> None:
         f"## Against the quality targets ({a.protocol}): each preset alone, calibrated, with exact recent tokens, "
         "and both",
         f"{a.protocol.capitalize()} perplexity against the plain cache, {a.windows} window(s) of 2,048 tokens, {how}; "
-        f"each cell is {cells}; ✗ marks a cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %). "
+        f"each cell is {cells}; ✗ marks a cell past its preset's target (k8v4 +1 %, 4bit_nc +3 %, k3v4_nc +8 %), "
+        f"▲ an option's perplexity above the preset alone's by more than {WORSE_SE:g} standard errors (paired per "
+        "token with it). "
         "Columns: `TurboQuantCache(model.config, preset=..., calibrate=True, exact_recent=64)` and the parts of it.",
         sections)
 
