@@ -56,7 +56,7 @@ OPTIONS = {
 # columns measured on request only (--columns): the same with the packed-logit shift (turboquant.packed_noise)
 OPTIONS.update({f"{name}, shift": {**options, "shift_packed_logits": True} for name, options in list(OPTIONS.items())})
 DEFAULT_COLUMNS = ["preset alone", "calibrate=True", "exact_recent=64", "both"]
-# the targets: perplexity change at most this many percent
+# the quality targets: perplexity change at most this many percent per preset
 TARGETS = {"turboquant_k8v4": 1.0, "turboquant_4bit_nc": 3.0, "turboquant_k3v4_nc": 8.0}
 # An option is "worse than the preset alone" where its perplexity, paired per token with the preset
 # alone's, is higher by more than this many standard errors.
